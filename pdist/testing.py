@@ -1,0 +1,354 @@
+"""Multi-process test harness: run a function on every rank of a real gloo world.
+
+``spawn(fn, world_size, *args)`` runs ``fn(*args)`` in ``world_size``
+processes whose environment looks like torchrun's, and returns each rank's
+return value in rank order. ``@world_sizes(2, 3)`` turns a pytest test that
+takes ``ctx`` into one test per world size, each running inside
+``pdist.distributed()`` on every rank.
+
+Worker processes are started once per world size and reused by later calls in
+the same process (spawning and importing torch dominates otherwise); a call
+that fails or times out discards its workers. Each call gets a fresh
+rendezvous store on a port the OS picks, so parallel test runs never collide.
+pytest is imported only by :func:`world_sizes`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import functools
+import importlib
+import inspect
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
+
+from ._errors import PdistError
+
+__all__ = ["SpawnError", "spawn", "world_sizes"]
+
+R = TypeVar("R")
+
+DEFAULT_TIMEOUT = 120.0
+_GRACE_AFTER_FAILURE = 5.0
+
+
+class SpawnError(PdistError):
+    """A rank of a :func:`spawn` run failed, died or timed out.
+
+    Attributes:
+        rank: The first failing rank (None for a timeout of the whole run).
+        remote_traceback: That rank's formatted traceback or stack dump.
+    """
+
+    def __init__(self, message: str, *, rank: int | None, remote_traceback: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _worker_main(conn: Connection, rank: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch  # noqa: PLC0415  (import once, after the thread setting)
+
+    torch.set_num_threads(1)
+    base_env = dict(os.environ)
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            break
+        if job is None:
+            break
+        log_path, env, path, payload = job
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ.update(env)
+        with open(log_path, "w") as log:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            saved = os.dup(1), os.dup(2)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+            try:
+                fn, args = pickle.loads(payload)
+                result: tuple[str, Any] = ("ok", fn(*args))
+                try:
+                    reply = pickle.dumps(result)
+                except Exception as exc:
+                    reply = pickle.dumps(("error", f"rank {rank}: cannot pickle the result: {exc!r}"))
+            except BaseException:
+                reply = pickle.dumps(("error", traceback.format_exc()))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                faulthandler.unregister(signal.SIGUSR1)
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+        conn.send_bytes(reply)
+    # Skip interpreter teardown: objects a test left behind must not abort the worker.
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(child, rank), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        for c in self.conns:
+            c.close()
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+        self.kill()
+
+
+_pools: dict[int, _Pool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+def _pool(world_size: int) -> _Pool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _pools[world_size] = _Pool(world_size)
+    return pool
+
+
+def _discard(world_size: int) -> None:
+    pool = _pools.pop(world_size, None)
+    if pool is not None:
+        pool.kill()
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def spawn(
+    fn: Callable[..., R],
+    world_size: int,
+    *args: Any,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> list[R]:
+    """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
+
+    Each rank sees torchrun's variables (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+    a rendezvous store hosted by the caller on a free port, so ``fn`` can call
+    ``pdist.distributed()`` (or ``torch.distributed.init_process_group``)
+    directly. ``fn``, ``args`` and the results must be picklable (``fn``
+    defined at module level). Each rank's output is echoed to this process's
+    stdout after the run.
+
+    Args:
+        fn: The function every rank runs.
+        world_size: Number of ranks (>= 1).
+        *args: Arguments passed to ``fn`` on every rank.
+        timeout: Seconds (or ``timedelta``) for the whole run.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        SpawnError: A rank raised (its traceback is in the message), died, or
+            the run timed out (every rank's stacks are dumped in the message);
+            the workers are then killed.
+        ValueError: ``world_size`` is not a positive int.
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from ._env import to_seconds  # noqa: PLC0415
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        msg = f"world_size={world_size!r} must be a positive int"
+        raise ValueError(msg)
+    seconds = to_seconds(timeout, "timeout")
+    payload = pickle.dumps((fn, args))
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    pool = _pool(world_size)
+    tmp = tempfile.mkdtemp(prefix="pdist-spawn-")
+    logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+    for rank, conn in enumerate(pool.conns):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            # The store lives in this process, as torchrun's agent store does.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+        }
+        conn.send((logs[rank], env, list(sys.path), payload))
+    try:
+        return _collect(pool, logs, seconds)
+    finally:
+        del store
+        for path in logs:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        os.rmdir(tmp)
+
+
+def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
+    world_size = pool.world_size
+    deadline = time.monotonic() + seconds
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    pending = dict(enumerate(pool.conns))
+    while pending:
+        now = time.monotonic()
+        if errors:
+            deadline = min(deadline, now + _GRACE_AFTER_FAILURE)
+        if now >= deadline:
+            break
+        for conn in wait(list(pending.values()), timeout=deadline - now):
+            rank = next(r for r, c in pending.items() if c is conn)
+            del pending[rank]
+            try:
+                status, value = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                proc = pool.procs[rank]
+                proc.join(timeout=5)
+                status, value = "error", f"rank {rank} died (exit code {proc.exitcode})"
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors[rank] = value
+    outputs = [_read(p) for p in logs]
+    if not pending and not errors:
+        for rank, out in enumerate(outputs):
+            if out:
+                sys.stdout.write(f"----- rank {rank} output -----\n{out}")
+        return [results[r] for r in range(world_size)]
+    if pending:
+        # Dump the stacks of the ranks still running, then kill them all.
+        for rank in pending:
+            proc = pool.procs[rank]
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        outputs = [_read(p) for p in logs]
+    _discard(world_size)
+    report = "\n".join(
+        f"----- rank {r} ({'failed' if r in errors else 'still running' if r in pending else 'ok'})"
+        f" -----\n{errors.get(r, '')}{outputs[r]}"
+        for r in range(world_size)
+    )
+    if errors:
+        first = min(errors)
+        last_line = errors[first].strip().splitlines()[-1] if errors[first].strip() else ""
+        msg = f"rank {first} of {world_size} failed: {last_line}\n{report}"
+        raise SpawnError(msg, rank=first, remote_traceback=errors[first])
+    msg = (
+        f"timed out after {seconds:g}s; ranks {sorted(pending)} of {world_size} still running "
+        f"(stacks below)\n{report}"
+    )
+    raise SpawnError(msg, rank=None, remote_traceback=report)
+
+
+# --------------------------------------------------------------------------- pytest glue
+
+
+def _run_test(module: str, qualname: str) -> None:
+    from ._context import distributed  # noqa: PLC0415
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    test_fn = obj.__pdist_test__
+    with distributed() as ctx:
+        test_fn(ctx)
+
+
+def world_sizes(*sizes: int, timeout: float = DEFAULT_TIMEOUT) -> Callable[[Callable[..., None]], Any]:
+    """Pytest decorator: run a test taking ``ctx`` on every rank of each world size.
+
+    One pytest item per size (``test_x[2]``, ``test_x[3]``); every rank runs
+    the body inside ``pdist.distributed()``. A failing rank's assertion is
+    reported with its rank. The test must be a module-level function.
+
+    Example::
+
+        @pdist.testing.world_sizes(2, 3)
+        def test_sum(ctx):
+            assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+    """
+    import pytest  # noqa: PLC0415
+
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            msg = f"world size {size!r} must be a positive int"
+            raise ValueError(msg)
+
+    def decorate(test_fn: Callable[..., None]) -> Any:
+        @functools.wraps(test_fn)
+        def wrapper(world_size: int) -> None:
+            spawn(_run_test, world_size, test_fn.__module__, test_fn.__qualname__, timeout=timeout)
+
+        wrapper.__pdist_test__ = test_fn  # type: ignore[attr-defined]
+        wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("world_size", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        )
+        del wrapper.__wrapped__  # pytest must see the signature above, not the test's
+        return pytest.mark.parametrize("world_size", sizes)(wrapper)
+
+    return decorate
