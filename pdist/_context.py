@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, Store
 
 from . import _env, _layout
 from ._errors import PdistError
@@ -240,7 +241,9 @@ def as_group(group: Group | DistContext, *, name: str = "group") -> Group:
     raise TypeError(msg)
 
 
-def _resolve_device(device: str | torch.device | int | None, backend: str | None, local_rank: int) -> torch.device:
+def _resolve_device(
+    device: str | torch.device | int | None, backend: str | None, local_rank: int
+) -> torch.device:
     if device is None:
         use_cuda = torch.cuda.is_available() and backend != "gloo"
         return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -312,7 +315,14 @@ class _GroupFactory:
         self.timeout = timeout
         self._keys: dict[tuple[int, ...], tuple[int, int]] = {}
 
-    def adopt_world(self, device_pg: ProcessGroup, cpu_pg: ProcessGroup, *, cpu_created: bool, timeout: timedelta) -> Group:
+    def adopt_world(
+        self,
+        device_pg: ProcessGroup,
+        cpu_pg: ProcessGroup,
+        *,
+        cpu_created: bool,
+        timeout: timedelta,
+    ) -> Group:
         dkey = self.lifetime.add(device_pg, created=False)
         ckey = dkey if cpu_pg is device_pg else self.lifetime.add(cpu_pg, created=cpu_created)
         ranks = tuple(range(self.world_size))
@@ -378,7 +388,7 @@ class _Distributed:
         backend: str | None,
         device: str | torch.device | int | None,
         timeout: float | timedelta | None,
-        store: dist.Store | None,
+        store: Store | None,
         rank: int | None,
         world_size: int | None,
         local_rank: int | None,
@@ -389,11 +399,11 @@ class _Distributed:
         self._adopt = dist.is_available() and dist.is_initialized()
         launch = _env.detect_launch()
         if self._adopt:
-            launch = attrs.evolve(
-                launch, rank=dist.get_rank(), world_size=dist.get_world_size()
-            )
+            launch = attrs.evolve(launch, rank=dist.get_rank(), world_size=dist.get_world_size())
         for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
                 msg = f"{name}={value!r} must be a non-negative int"
                 raise ValueError(msg)
         launch = attrs.evolve(
@@ -469,12 +479,12 @@ class _Distributed:
         elif launch.launcher == "slurm":
             kwargs["init_method"] = f"tcp://{launch.master_addr}:{launch.master_port}"
         else:
-            kwargs["store"] = dist.HashStore()
+            kwargs["store"] = HashStore()
         dist.init_process_group(**kwargs)
         lifetime.owns_default()
 
     def _setup(self, lifetime: _Lifetime) -> DistContext:
-        from . import _topology  # noqa: PLC0415  (the probe needs a world Group first)
+        from . import _topology
 
         device = self._device
         if device.type == "cuda":
@@ -496,7 +506,9 @@ class _Distributed:
             lifetime=lifetime,
             timeout=self._sub_timeout,
         )
-        world = factory.adopt_world(world_pg, cpu_world, cpu_created=cpu_created, timeout=self._timeout)
+        world = factory.adopt_world(
+            world_pg, cpu_world, cpu_created=cpu_created, timeout=self._timeout
+        )
         nodes = _topology.node_partition(world)
         layout = self._layout
         groups = {axis: factory.partition(axis, layout.groups(axis)) for axis in _layout.AXES}
@@ -534,7 +546,7 @@ def distributed(
     backend: str | None = None,
     device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
-    store: dist.Store | None = None,
+    store: Store | None = None,
     rank: int | None = None,
     world_size: int | None = None,
     local_rank: int | None = None,
@@ -677,7 +689,7 @@ def device_mesh(ctx: DistContext) -> Any:
     Raises:
         PdistError: The context is closed.
     """
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+    from torch.distributed.device_mesh import DeviceMesh
 
     layout = _layout.make_layout(ctx.world_size, tp=ctx.tp.world_size, sp=ctx.sp.world_size)
     mesh = torch.arange(ctx.world_size, dtype=torch.int).view(layout.dp, layout.sp, layout.tp)

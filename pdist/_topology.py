@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -77,10 +78,8 @@ def same_host_matrix(group: Group) -> list[list[bool]]:
         dist.all_gather(rows, row, group=group.cpu_group)
         return [[bool(v) for v in r.tolist()] for r in rows]
     finally:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def same_node_ranks(group: Group | DistContext, source_rank: int = 0) -> list[int]:
@@ -110,7 +109,9 @@ def node_partition(group: Group) -> list[tuple[int, ...]]:
     matrix = same_host_matrix(group)
     blocks: dict[tuple[int, ...], None] = {}
     for i in range(group.world_size):
-        members = tuple(group.ranks[j] for j in range(group.world_size) if matrix[i][j] and matrix[j][i])
+        members = tuple(
+            group.ranks[j] for j in range(group.world_size) if matrix[i][j] and matrix[j][i]
+        )
         blocks.setdefault(members, None)
     partition = list(blocks)
     seen = sorted(r for block in partition for r in block)
@@ -145,7 +146,10 @@ def _nvml_device_id(device_index: int, environ: Mapping[str, str]) -> int | str:
 
 def _cpus_from_masks(masks: Iterable[int], bits: int = 64) -> frozenset[int]:
     return frozenset(
-        word * bits + bit for word, mask in enumerate(masks) for bit in range(bits) if mask >> bit & 1
+        word * bits + bit
+        for word, mask in enumerate(masks)
+        for bit in range(bits)
+        if mask >> bit & 1
     )
 
 
@@ -160,7 +164,7 @@ def gpu_cpu_affinity(device_index: int) -> frozenset[int]:
         PdistError: NVML is not available or does not know the device.
     """
     try:
-        import pynvml  # noqa: PLC0415
+        import pynvml
     except ImportError as exc:
         msg = "gpu_cpu_affinity needs the nvidia-ml-py package (module pynvml)"
         raise PdistError(msg) from exc

@@ -149,7 +149,7 @@ def all_gather_bytes(
         raise error
     failures: list[RemoteError] = []
     results: list[bytes] = []
-    for out, n in zip(outs, lengths):
+    for out, n in zip(outs, lengths, strict=False):
         try:
             results.append(_unpack(bytes_of(out, n), group, what))
         except RemoteError as exc:

@@ -16,6 +16,7 @@ pytest is imported only by :func:`world_sizes`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import functools
 import importlib
@@ -62,7 +63,7 @@ class SpawnError(PdistError):
 
 def _worker_main(conn: Connection, rank: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch  # noqa: PLC0415  (import once, after the thread setting)
+    import torch
 
     torch.set_num_threads(1)
     base_env = dict(os.environ)
@@ -91,7 +92,9 @@ def _worker_main(conn: Connection, rank: int) -> None:
                 try:
                     reply = pickle.dumps(result)
                 except Exception as exc:
-                    reply = pickle.dumps(("error", f"rank {rank}: cannot pickle the result: {exc!r}"))
+                    reply = pickle.dumps(
+                        ("error", f"rank {rank}: cannot pickle the result: {exc!r}")
+                    )
             except BaseException:
                 reply = pickle.dumps(("error", traceback.format_exc()))
             finally:
@@ -138,10 +141,8 @@ class _Pool:
 
     def close(self) -> None:
         for c in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.send(None)
-            except OSError:
-                pass
         for p in self.procs:
             p.join(timeout=5)
         self.kill()
@@ -210,16 +211,16 @@ def spawn(
             the workers are then killed.
         ValueError: ``world_size`` is not a positive int.
     """
-    import torch.distributed as dist  # noqa: PLC0415
+    from torch._C._distributed_c10d import TCPStore
 
-    from ._env import to_seconds  # noqa: PLC0415
+    from ._env import to_seconds
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         msg = f"world_size={world_size!r} must be a positive int"
         raise ValueError(msg)
     seconds = to_seconds(timeout, "timeout")
     payload = pickle.dumps((fn, args))
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     pool = _pool(world_size)
     tmp = tempfile.mkdtemp(prefix="pdist-spawn-")
     logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
@@ -241,10 +242,8 @@ def spawn(
     finally:
         del store
         for path in logs:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
         os.rmdir(tmp)
 
 
@@ -260,8 +259,9 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
             deadline = min(deadline, now + _GRACE_AFTER_FAILURE)
         if now >= deadline:
             break
-        for conn in wait(list(pending.values()), timeout=deadline - now):
-            rank = next(r for r, c in pending.items() if c is conn)
+        for ready in wait(list(pending.values()), timeout=deadline - now):
+            rank = next(r for r, c in pending.items() if c is ready)
+            conn = pending[rank]
             del pending[rank]
             try:
                 status, value = pickle.loads(conn.recv_bytes())
@@ -309,7 +309,7 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
 
 
 def _run_test(module: str, qualname: str) -> None:
-    from ._context import distributed  # noqa: PLC0415
+    from ._context import distributed
 
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
@@ -319,7 +319,9 @@ def _run_test(module: str, qualname: str) -> None:
         test_fn(ctx)
 
 
-def world_sizes(*sizes: int, timeout: float = DEFAULT_TIMEOUT) -> Callable[[Callable[..., None]], Any]:
+def world_sizes(
+    *sizes: int, timeout: float = DEFAULT_TIMEOUT
+) -> Callable[[Callable[..., None]], Any]:
     """Pytest decorator: run a test taking ``ctx`` on every rank of each world size.
 
     One pytest item per size (``test_x[2]``, ``test_x[3]``); every rank runs
@@ -332,7 +334,7 @@ def world_sizes(*sizes: int, timeout: float = DEFAULT_TIMEOUT) -> Callable[[Call
         def test_sum(ctx):
             assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
     """
-    import pytest  # noqa: PLC0415
+    import pytest
 
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:

@@ -1,0 +1,76 @@
+"""Developer sessions: tests, lint, typecheck, docs, bench, examples."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+
+# The torch we test against; on these machines torch==2.13.0 is a CPU wheel on local disk,
+# while an unpinned torch would pull a multi-GB CUDA build. PDIST_TORCH overrides it.
+TORCH = os.environ.get("PDIST_TORCH", "torch==2.13.0")
+EXAMPLES = sorted(p.stem for p in Path("examples").glob("*.py"))
+
+
+def _install(session: nox.Session, extras: str = "") -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]" if extras else ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (multi-rank tests on real gloo processes)."""
+    _install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Check lint and formatting with ruff."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "pdist", "tests", "examples", "noxfile.py")
+    session.run("ruff", "format", "--check", "pdist", "tests", "examples", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Type-check pdist/ with mypy --strict."""
+    _install(session, "lint")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation in strict mode."""
+    _install(session, "docs")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the benchmark (pass e.g. -- --quick --json bench.json)."""
+    _install(session)
+    session.run("python", "-m", "pdist", "bench", *session.posargs)
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Run the examples on 2 CPU ranks under torchrun (pass names to pick some)."""
+    _install(session)
+    names = session.posargs or EXAMPLES
+    for name in names:
+        session.run(
+            "torchrun",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            f"examples/{name}.py",
+            env={"OMP_NUM_THREADS": "1"},
+        )

@@ -1,0 +1,86 @@
+"""The spawn harness itself: results, failures, timeouts."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from pdist.testing import SpawnError, spawn
+
+
+def _rank_and_pid(offset: int) -> tuple[int, int]:
+    return int(os.environ["RANK"]) + offset, os.getpid()
+
+
+def test_results_come_back_in_rank_order_and_workers_are_reused():
+    """spawn returns each rank's value in rank order; a second call reuses the processes."""
+    first = spawn(_rank_and_pid, 3, 10)
+    second = spawn(_rank_and_pid, 3, 10)
+    assert [r for r, _ in first] == [10, 11, 12]
+    assert [p for _, p in first] == [p for _, p in second]
+    assert len({p for _, p in first}) == 3
+
+
+def _fail_on_one() -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one is unhappy")
+
+
+def test_failure_names_the_rank_and_carries_its_traceback():
+    """A raising rank is named, with its remote traceback."""
+    with pytest.raises(
+        SpawnError, match=r"rank 1 of 3 failed: ValueError: rank one is unhappy"
+    ) as info:
+        spawn(_fail_on_one, 3, timeout=30)
+    assert info.value.rank == 1
+    assert "_fail_on_one" in info.value.remote_traceback
+
+
+def _die() -> None:
+    if os.environ["RANK"] == "0":
+        sys.stdout.flush()
+        os._exit(7)
+
+
+def test_a_dying_rank_is_reported_with_its_exit_code():
+    """A rank that exits without answering is reported, not waited for."""
+    with pytest.raises(SpawnError, match=r"rank 0 died \(exit code 7\)"):
+        spawn(_die, 2, timeout=30)
+
+
+def _sleep_forever_on(rank: int) -> None:
+    if os.environ["RANK"] == str(rank):
+        time.sleep(3600)
+
+
+def test_timeout_dumps_stacks_and_kills():
+    """A hanging rank times out; its stack is dumped and the run ends."""
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"timed out after 2s; ranks \[1\]") as info:
+        spawn(_sleep_forever_on, 2, 1, timeout=2)
+    assert time.monotonic() - start < 20
+    assert "_sleep_forever_on" in info.value.remote_traceback
+    # The pool was discarded; a new run works.
+    assert [r for r, _ in spawn(_rank_and_pid, 2, 0)] == [0, 1]
+
+
+def _print_something() -> int:
+    print(f"hello from {os.environ['RANK']}")
+    return 1
+
+
+def test_output_is_echoed(capsys):
+    """Each rank's output appears in the caller's stdout."""
+    spawn(_print_something, 2)
+    out = capsys.readouterr().out
+    assert "hello from 0" in out
+    assert "hello from 1" in out
+
+
+def test_bad_world_size():
+    """world_size must be a positive int."""
+    with pytest.raises(ValueError, match="world_size=0 must be a positive int"):
+        spawn(_rank_and_pid, 0)
