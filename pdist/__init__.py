@@ -6,6 +6,17 @@ pure functions take the context or one of its :class:`Group` values.
 
 from __future__ import annotations
 
+from ._broadcast import broadcast_object_list as broadcast_object_list
+from ._collectives import all_gather as all_gather
+from ._collectives import all_gather_tensor as all_gather_tensor
+from ._collectives import all_reduce as all_reduce
+from ._collectives import all_to_all_4d as all_to_all_4d
+from ._collectives import broadcast as broadcast
+from ._collectives import gather as gather
+from ._collectives import recv as recv
+from ._collectives import reduce as reduce
+from ._collectives import send as send
+from ._collectives import shard as shard
 from ._context import DistContext as DistContext
 from ._context import Group as Group
 from ._context import device_mesh as device_mesh
@@ -15,6 +26,14 @@ from ._context import new_tp_group as new_tp_group
 from ._context import patch_tp as patch_tp
 from ._errors import PdistError as PdistError
 from ._errors import RankMismatchError as RankMismatchError
+from ._objects import all_gather_object as all_gather_object
+from ._objects import broadcast_object as broadcast_object
+from ._objects import broadcast_tensor_dict as broadcast_tensor_dict
+from ._objects import gather_object as gather_object
+from ._objects import recv_object as recv_object
+from ._objects import recv_tensor_dict as recv_tensor_dict
+from ._objects import send_object as send_object
+from ._objects import send_tensor_dict as send_tensor_dict
 from ._ranks import barrier as barrier
 from ._ranks import is_rank0 as is_rank0
 from ._ranks import rank0_first as rank0_first
@@ -30,9 +49,20 @@ __all__ = [
     "Group",
     "PdistError",
     "RankMismatchError",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_tensor",
+    "all_reduce",
+    "all_to_all_4d",
     "barrier",
+    "broadcast",
+    "broadcast_object",
+    "broadcast_object_list",
+    "broadcast_tensor_dict",
     "device_mesh",
     "distributed",
+    "gather",
+    "gather_object",
     "gpu_cpu_affinity",
     "is_rank0",
     "new_sp_group",
@@ -40,6 +70,14 @@ __all__ = [
     "patch_tp",
     "rank0_first",
     "rank0_only",
+    "recv",
+    "recv_object",
+    "recv_tensor_dict",
+    "reduce",
     "same_node_ranks",
+    "send",
+    "send_object",
+    "send_tensor_dict",
     "set_cpu_affinity",
+    "shard",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar
@@ -62,17 +63,20 @@ def rank0_first(
     @functools.wraps(fn)
     def wrapper(ctx: DistContext, /, *args: P.args, **kwargs: P.kwargs) -> R:
         world = as_group(ctx, name="ctx")
+        what = f"rank0_first({fn.__name__})"
         if world.world_size == 1:
             return fn(ctx, *args, **kwargs)
         if world.rank_in_group == 0:
             try:
                 result = fn(ctx, *args, **kwargs)
             except BaseException as exc:
-                _wire.broadcast_bytes(world, None, 0, error=exc, what=f"rank0_first({fn.__name__})")
+                # Tell the others, then raise rank 0's own error rather than the wrapper.
+                with contextlib.suppress(_wire.RemoteError):
+                    _wire.broadcast_bytes(world, None, 0, error=exc, what=what)
                 raise
-            _wire.broadcast_bytes(world, b"", 0)
+            _wire.broadcast_bytes(world, b"", 0, what=what)
             return result
-        _wire.broadcast_bytes(world, None, 0, what=f"rank0_first({fn.__name__})")
+        _wire.broadcast_bytes(world, None, 0, what=what)
         return fn(ctx, *args, **kwargs)
 
     return wrapper
