@@ -16,6 +16,7 @@ pytest is imported only by :func:`world_sizes`.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import faulthandler
 import functools
@@ -29,14 +30,14 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from ._errors import PdistError
 
-__all__ = ["SpawnError", "spawn", "world_sizes"]
+__all__ = ["SpawnError", "count_collectives", "spawn", "world_sizes"]
 
 R = TypeVar("R")
 
@@ -294,7 +295,7 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
         for r in range(world_size)
     )
     if errors:
-        first = min(errors)
+        first = next(iter(errors))  # the earliest failure; later ones are often its echo
         last_line = errors[first].strip().splitlines()[-1] if errors[first].strip() else ""
         msg = f"rank {first} of {world_size} failed: {last_line}\n{report}"
         raise SpawnError(msg, rank=first, remote_traceback=errors[first])
@@ -303,6 +304,31 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
         f"(stacks below)\n{report}"
     )
     raise SpawnError(msg, rank=None, remote_traceback=report)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[collections.Counter[str]]:
+    """Count the collectives this process issues inside the block, by name.
+
+    Uses ``torch.profiler``, which records each gloo (and NCCL) collective as
+    an event such as ``gloo:broadcast``. The counter is filled when the block
+    exits.
+
+    Example::
+
+        with count_collectives() as calls:
+            pdist.broadcast_object(ctx, obj)
+        assert sum(calls.values()) == 1
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    counts: collections.Counter[str] = collections.Counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield counts
+    for event in prof.events():
+        name = event.name
+        if name.startswith(("gloo:", "nccl:")):
+            counts[name] += 1
 
 
 # --------------------------------------------------------------------------- pytest glue

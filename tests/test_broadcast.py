@@ -1,0 +1,154 @@
+"""Structured broadcast (broadcast_object_list): round trips, errors, constant collectives."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+import torch
+
+import pdist
+from pdist.testing import count_collectives, world_sizes
+
+Pair = collections.namedtuple("Pair", "first second")
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+]
+
+
+def _tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(0, 100, shape, generator=gen).to(dtype)
+
+
+def _payload():
+    shared = torch.arange(1000.0)
+    big = {f"{d}".removeprefix("torch."): _tensor(d, (40, 30), i) for i, d in enumerate(ALL_DTYPES)}
+    small = {f"{d}".removeprefix("torch."): _tensor(d, (3,), 50 + i) for i, d in enumerate(ALL_DTYPES)}
+    return [
+        {"big": big, "small": small},
+        Pair(shared, [shared, {"again": shared}]),
+        (torch.empty(0, 5), torch.tensor(2.5), torch.tensor(7, dtype=torch.int64)),
+        torch.arange(2000.0).reshape(40, 50).t(),  # non-contiguous
+        "a string leaf",
+        {"cfg": {"lr": 0.1, "betas": (0.9, 0.95)}},
+        None,
+    ]
+
+
+def _check(out) -> None:
+    expected = _payload()
+    for group in ("big", "small"):
+        for name, t in expected[0][group].items():
+            got = out[0][group][name]
+            assert got.dtype == t.dtype, name
+            assert torch.equal(got, t), name
+    pair = out[1]
+    assert isinstance(pair, Pair)
+    assert pair.second[0] is pair.first
+    assert pair.second[1]["again"] is pair.first
+    assert torch.equal(pair.first, expected[1].first)
+    empty, zero_dim, integer = out[2]
+    assert empty.shape == (0, 5)
+    assert zero_dim.shape == ()
+    assert zero_dim.item() == 2.5
+    assert integer.item() == 7
+    assert torch.equal(out[3], expected[3])
+    assert out[4:] == expected[4:]
+
+
+@world_sizes(2, 3)
+def test_round_trip_from_every_src(ctx):
+    """Every dtype, empty/zero-dim/non-contiguous tensors, namedtuples and shared tensors survive."""
+    for src in range(ctx.world_size):
+        objs = _payload() if ctx.rank == src else [None]
+        pdist.broadcast_object_list(ctx, objs, src=src)
+        _check(objs)
+        # Everything inline, and everything bucketed, give the same result.
+        for min_bytes in (0, 1 << 30):
+            objs = _payload() if ctx.rank == src else []
+            pdist.broadcast_object_list(ctx, objs, src=src, min_tensor_bytes=min_bytes)
+            _check(objs)
+
+
+class MyList(list):
+    pass
+
+
+def _cycle():
+    a = [1]
+    a.append({"back": a})
+    return [a]
+
+
+def _shared():
+    inner = {"x": 1}
+    return [{"a": inner, "b": inner}]
+
+
+BAD_PAYLOADS = {
+    "cycle": (_cycle, r"cycle: the container at \[0\]\[1\]\['back'\] contains itself"),
+    "shared": (_shared, r"shared container: \[0\]\['b'\] is the same object as \[0\]\['a'\]"),
+    "subclass": (lambda: [MyList([1])], r"unsupported container type MyList at \[0\]"),
+}
+
+
+@world_sizes(2, 3)
+def test_bad_payloads_raise_on_every_rank_quickly(ctx):
+    """Cycles, shared containers and container subclasses fail on every rank, fast."""
+    src = ctx.world_size - 1
+    for name, (make, match) in BAD_PAYLOADS.items():
+        start = time.monotonic()
+        objs = make() if ctx.rank == src else [None]
+        with pytest.raises(pdist.PdistError, match=match) as info:
+            pdist.broadcast_object_list(ctx, objs, src=src)
+        assert f"failed on rank {src}: ValueError" in str(info.value), name
+        assert time.monotonic() - start < 5, name
+    # The group is still in step afterwards.
+    assert pdist.broadcast_object(ctx, "ok" if ctx.rank == 0 else None) == "ok"
+
+
+@world_sizes(2)
+def test_tiny_payload_takes_one_collective(ctx):
+    """A payload whose header fits the first message costs a single collective."""
+    with count_collectives() as calls:
+        objs = [{"step": 3, "lr": 0.1, "t": torch.ones(4)}] if ctx.rank == 0 else [None]
+        pdist.broadcast_object_list(ctx, objs)
+    assert dict(calls) == {"gloo:broadcast": 1}
+    assert objs[0]["step"] == 3
+
+
+@world_sizes(2)
+def test_collectives_do_not_grow_with_the_number_of_tensors(ctx):
+    """The collective count is the header plus one per bucket, whatever the tensor count."""
+    counts = []
+    for n in (10, 100, 1000):
+        objs = [[torch.full((1024,), float(i)) for i in range(n)]] if ctx.rank == 0 else [None]
+        with count_collectives() as calls:
+            pdist.broadcast_object_list(ctx, objs)
+        assert [t[0].item() for t in objs[0]] == [float(i) for i in range(n)]
+        counts.append(sum(calls.values()))
+    # Header (first chunk, plus the rest when the specs outgrow it) and one bucket.
+    assert counts[0] <= 3
+    assert counts[-1] <= 3
+    assert counts[-1] - counts[0] <= 1
+
+
+@world_sizes(2)
+def test_bad_arguments(ctx):
+    """object_list must be a list and min_tensor_bytes a non-negative int."""
+    with pytest.raises(TypeError, match="object_list must be a list, got tuple"):
+        pdist.broadcast_object_list(ctx, (1,))
+    with pytest.raises(ValueError, match="min_tensor_bytes=-1 must be a non-negative int"):
+        pdist.broadcast_object_list(ctx, [1], min_tensor_bytes=-1)
+    with pytest.raises(ValueError, match="src=5 is outside group 'world' of size 2"):
+        pdist.broadcast_object_list(ctx, [1], src=5)
