@@ -7,6 +7,8 @@ pure functions take the context or one of its :class:`Group` values.
 from __future__ import annotations
 
 from ._broadcast import broadcast_object_list as broadcast_object_list
+from ._collate import EvalSampler as EvalSampler
+from ._collate import collate_batches as collate_batches
 from ._collectives import all_gather as all_gather
 from ._collectives import all_gather_tensor as all_gather_tensor
 from ._collectives import all_reduce as all_reduce
@@ -46,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistContext",
+    "EvalSampler",
     "Group",
     "PdistError",
     "RankMismatchError",
@@ -59,6 +62,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_list",
     "broadcast_tensor_dict",
+    "collate_batches",
     "device_mesh",
     "distributed",
     "gather",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import _payload, _wire
 from ._context import DistContext, Group, as_group
-from ._serialize import Safe
+from ._serialize import Safe, loads
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -36,8 +36,13 @@ would otherwise need, and a header with a few such tensors still fits the
 4 KiB first message (one collective in total).
 """
 
-DEFAULT_BUCKET_BYTES = 256 << 20
-"""Upper bound of one coalesced bucket (a larger tensor travels alone, uncopied)."""
+DEFAULT_BUCKET_BYTES = 16 << 20
+"""Upper bound of one coalesced bucket (a larger tensor travels alone, uncopied).
+
+Bounded buckets let the source pack bucket k+1 while bucket k is on the wire,
+and keep buffers below glibc's 32 MiB mapping threshold, so repeated
+broadcasts reuse warm memory instead of faulting in fresh pages.
+"""
 
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
@@ -86,9 +91,9 @@ def check_tree(obj: Any) -> None:
     visit(obj, "")
 
 
-def _transfer(group: Group, bucket: _payload.Bucket, data: torch.Tensor, src_global: int) -> None:
+def _transfer(group: Group, bucket: _payload.Bucket, data: torch.Tensor, src_global: int) -> Any:
     pg = group.cpu_group if bucket.kind == "cpu" else group.device_group
-    dist.broadcast(data, src=src_global, group=pg)
+    return dist.broadcast(data, src=src_global, group=pg, async_op=True)
 
 
 def broadcast_tree(
@@ -126,15 +131,27 @@ def broadcast_tree(
             send_header(group, None, src, error=exc, what=what)
             raise  # unreachable: send_header raised for the source too
         send_header(group, encoded.body, src, what=what)
-        for bucket, data in zip(encoded.buckets, encoded.data, strict=True):
-            _transfer(group, bucket, data, src_global)
+        # Bucket k+1 is packed while bucket k is on the wire.
+        works = [
+            _transfer(group, bucket, encoded.pack(i), src_global)
+            for i, bucket in enumerate(encoded.buckets)
+        ]
+        for work in works:
+            work.wait()
         return obj
     body = send_header(group, None, src, what=what)
     decoded = _payload.decode(body, safe=safe)
     buffers = _payload.empty_buckets(decoded, group.device)
-    for bucket, data in zip(decoded.buckets, buffers, strict=True):
+    works = [
         _transfer(group, bucket, data, src_global)
-    return _payload.materialize(decoded, buffers, group.device, safe=safe)
+        for bucket, data in zip(decoded.buckets, buffers, strict=True)
+    ]
+    # Views of the buckets can be made while they fill; unpickling waits for the data,
+    # since a leaf's __setstate__ may read the tensors it holds.
+    tensors = _payload.tensors_of(decoded, buffers, group.device)
+    for work in works:
+        work.wait()
+    return loads(decoded.skeleton, tensors, safe=safe)
 
 
 def broadcast_object_list(
@@ -179,7 +196,11 @@ def broadcast_object_list(
     if not isinstance(object_list, list):
         msg = f"object_list must be a list, got {type(object_list).__name__}"
         raise TypeError(msg)
-    if isinstance(min_tensor_bytes, bool) or not isinstance(min_tensor_bytes, int) or min_tensor_bytes < 0:
+    if (
+        isinstance(min_tensor_bytes, bool)
+        or not isinstance(min_tensor_bytes, int)
+        or min_tensor_bytes < 0
+    ):
         msg = f"min_tensor_bytes={min_tensor_bytes!r} must be a non-negative int"
         raise ValueError(msg)
     result = broadcast_tree(

@@ -9,7 +9,7 @@ autograd machinery is skipped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ def _compiling() -> bool:
 
 
 def _funcol() -> Any:
-    from torch.distributed import _functional_collectives  # noqa: PLC0415
+    from torch.distributed import _functional_collectives
 
     return _functional_collectives
 
@@ -91,7 +91,9 @@ def _needs_grad(x: torch.Tensor) -> bool:
 def _all_reduce_impl(group: Group, x: torch.Tensor, op: str) -> torch.Tensor:
     if _compiling():
         fc = _funcol()
-        out = fc.wait_tensor(fc.all_reduce(x, _FUNCOL_OPS[op], group.device_group))
+        out = cast(
+            "torch.Tensor", fc.wait_tensor(fc.all_reduce(x, _FUNCOL_OPS[op], group.device_group))
+        )
     else:
         out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=_OPS[op], group=group.device_group)
@@ -104,7 +106,8 @@ def _all_gather_impl(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:
     x = x.contiguous()
     if _compiling():
         fc = _funcol()
-        return fc.wait_tensor(fc.all_gather_tensor(x, dim, group.device_group))
+        out = fc.all_gather_tensor(x, dim, group.device_group)
+        return cast("torch.Tensor", fc.wait_tensor(out))
     outs = [torch.empty_like(x) for _ in group.ranks]
     dist.all_gather(outs, x, group=group.device_group)
     return torch.cat(outs, dim=dim)
@@ -114,7 +117,12 @@ def _reduce_scatter_impl(group: Group, x: torch.Tensor, dim: int) -> torch.Tenso
     """This rank's chunk (along ``dim``) of the sum of ``x`` over the group."""
     if _compiling():
         fc = _funcol()
-        return fc.wait_tensor(fc.reduce_scatter_tensor(x.contiguous(), "sum", dim, group.device_group))
+        return cast(
+            "torch.Tensor",
+            fc.wait_tensor(
+                fc.reduce_scatter_tensor(x.contiguous(), "sum", dim, group.device_group)
+            ),
+        )
     if dist.get_backend(group.device_group) == "gloo":
         # gloo has no reduce-scatter: all-reduce, then keep our chunk.
         total = x.clone(memory_format=torch.contiguous_format)
@@ -126,7 +134,9 @@ def _reduce_scatter_impl(group: Group, x: torch.Tensor, dim: int) -> torch.Tenso
     return out.movedim(0, dim)
 
 
-def _all_to_all_impl(group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+def _all_to_all_impl(
+    group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int
+) -> torch.Tensor:
     chunks = torch.stack(x.chunk(group.world_size, dim=scatter_dim))  # [P, *chunk]
     if _compiling():
         fc = _funcol()
@@ -164,7 +174,9 @@ class _AllGather(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int
+    ) -> torch.Tensor:
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
         return _all_to_all_impl(group, x, scatter_dim, gather_dim)
 
@@ -176,7 +188,9 @@ class _AllToAll(torch.autograd.Function):
 
 class _Shard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, group: Group, x: torch.Tensor, dim: int, scale_grad: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, group: Group, x: torch.Tensor, dim: int, scale_grad: bool
+    ) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.scale = group, dim, scale_grad
         return x.chunk(group.world_size, dim=dim)[group.rank_in_group].contiguous()
 
@@ -213,7 +227,7 @@ def all_reduce(group: Group | DistContext, x: torch.Tensor, op: str = "sum") -> 
     if g.world_size == 1:
         return x
     if op in ("sum", "mean") and _needs_grad(x):
-        return _AllReduce.apply(g, x, op)  # type: ignore[no-any-return]
+        return _AllReduce.apply(g, x, op)  # type: ignore[no-untyped-call,no-any-return]
     return _all_reduce_impl(g, x.detach() if x.requires_grad else x, op)
 
 
@@ -230,7 +244,7 @@ def all_gather(group: Group | DistContext, x: torch.Tensor, dim: int = -1) -> to
     if g.world_size == 1:
         return x
     if _needs_grad(x):
-        return _AllGather.apply(g, x, d)  # type: ignore[no-any-return]
+        return _AllGather.apply(g, x, d)  # type: ignore[no-untyped-call,no-any-return]
     return _all_gather_impl(g, x, d)
 
 
@@ -249,7 +263,9 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     return outs
 
 
-def gather(group: Group | DistContext, x: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+def gather(
+    group: Group | DistContext, x: torch.Tensor, dst: int = 0, dim: int = -1
+) -> torch.Tensor | None:
     """Concatenate every rank's ``x`` along ``dim`` on group index ``dst``.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
@@ -272,7 +288,9 @@ def gather(group: Group | DistContext, x: torch.Tensor, dst: int = 0, dim: int =
     return torch.cat(outs, dim=d)
 
 
-def reduce(group: Group | DistContext, x: torch.Tensor, dst: int = 0, op: str = "mean") -> torch.Tensor | None:
+def reduce(
+    group: Group | DistContext, x: torch.Tensor, dst: int = 0, op: str = "mean"
+) -> torch.Tensor | None:
     """Reduce ``x`` (``"sum"`` or ``"mean"``) onto group index ``dst``, out of place.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
@@ -349,11 +367,13 @@ def all_to_all_4d(
     if g.world_size == 1:
         return x
     if _needs_grad(x):
-        return _AllToAll.apply(g, x, s, d)  # type: ignore[no-any-return]
+        return _AllToAll.apply(g, x, s, d)  # type: ignore[no-untyped-call,no-any-return]
     return _all_to_all_impl(g, x, s, d)
 
 
-def shard(group: Group | DistContext, x: torch.Tensor, dim: int = -1, *, scale_grad: bool) -> torch.Tensor:
+def shard(
+    group: Group | DistContext, x: torch.Tensor, dim: int = -1, *, scale_grad: bool
+) -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` (``x`` is the same on every rank).
 
     Differentiable: the backward all-gathers the gradient, divided by the
@@ -369,7 +389,7 @@ def shard(group: Group | DistContext, x: torch.Tensor, dim: int = -1, *, scale_g
     if g.world_size == 1:
         return x
     if _needs_grad(x):
-        return _Shard.apply(g, x, d, bool(scale_grad))  # type: ignore[no-any-return]
+        return _Shard.apply(g, x, d, bool(scale_grad))  # type: ignore[no-untyped-call,no-any-return]
     return x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous()
 
 
@@ -397,7 +417,7 @@ def recv(
     dtype: torch.dtype,
     src: int | None = None,
 ) -> torch.Tensor:
-    """Receive a tensor of ``shape``/``dtype`` from group index ``src`` (default: the previous rank).
+    """Receive a tensor of ``shape``/``dtype`` from group index ``src`` (default: previous rank).
 
     Returns:
         A new tensor on the group's device.

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _payload, _wire
-from ._broadcast import DEFAULT_MIN_TENSOR_BYTES, broadcast_tree
+from ._broadcast import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, broadcast_tree
 from ._context import DistContext, Group, as_group
 from ._serialize import Safe
 
@@ -43,7 +43,9 @@ def _decode_inline(group: Group, body: bytes, safe: Safe) -> Any:
     return _payload.materialize(_payload.decode(body, safe=safe), [], group.device, safe=safe)
 
 
-def broadcast_object(group: Group | DistContext, obj: Any = None, src: int = 0, *, safe: Safe = False) -> Any:
+def broadcast_object(
+    group: Group | DistContext, obj: Any = None, src: int = 0, *, safe: Safe = False
+) -> Any:
     """Broadcast a picklable ``obj`` from group index ``src``; every rank returns it.
 
     Small objects take one collective. On a group from
@@ -83,10 +85,14 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
         return [obj]
     body, error = _encode_inline(g, obj)
     bodies = _wire.all_gather_bytes(g, body, error=error, what="all_gather_object")
-    return [obj if i == g.rank_in_group else _decode_inline(g, b, safe) for i, b in enumerate(bodies)]
+    return [
+        obj if i == g.rank_in_group else _decode_inline(g, b, safe) for i, b in enumerate(bodies)
+    ]
 
 
-def gather_object(group: Group | DistContext, obj: Any, dst: int = 0, *, safe: Safe = False) -> list[Any] | None:
+def gather_object(
+    group: Group | DistContext, obj: Any, dst: int = 0, *, safe: Safe = False
+) -> list[Any] | None:
     """Every rank's ``obj`` in group order on group index ``dst``; None elsewhere.
 
     .. note:: All ranks of the group must call it.
@@ -102,7 +108,9 @@ def gather_object(group: Group | DistContext, obj: Any, dst: int = 0, *, safe: S
     bodies = _wire.gather_bytes(g, body, dst, error=error, what="gather_object")
     if bodies is None:
         return None
-    return [obj if i == g.rank_in_group else _decode_inline(g, b, safe) for i, b in enumerate(bodies)]
+    return [
+        obj if i == g.rank_in_group else _decode_inline(g, b, safe) for i, b in enumerate(bodies)
+    ]
 
 
 def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
@@ -207,15 +215,19 @@ def send_tensor_dict(
     pad = 1 if all_gather_group is None else all_gather_group.world_size * _payload.ALIGN
     try:
         encoded = _payload.encode(
-            tensor_dict, g.device, min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES, pad_to=pad
+            tensor_dict,
+            g.device,
+            min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES,
+            bucket_bytes=DEFAULT_BUCKET_BYTES,
+            pad_to=pad,
         )
     except Exception as exc:
         _wire.send_bytes(g, None, peer, error=exc, what="send_tensor_dict")
         raise  # unreachable: send_bytes raised
     _wire.send_bytes(g, encoded.body, peer, what="send_tensor_dict")
     peer_global = g.ranks[peer]
-    for bucket, data in zip(encoded.buckets, encoded.data, strict=True):
-        part, pg = _split(data, bucket, g, all_gather_group)
+    for i, bucket in enumerate(encoded.buckets):
+        part, pg = _split(encoded.pack(i), bucket, g, all_gather_group)
         dist.send(part.contiguous(), dst=peer_global, group=pg)
 
 

@@ -17,10 +17,11 @@ the header is ``(skeleton length, specs, places, buckets)`` where a place is
 
 from __future__ import annotations
 
+import mmap
 import pickle
 import struct
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -29,7 +30,17 @@ from ._errors import PdistError
 from ._serialize import PROTOCOL, Safe, TensorSpec, dumps, loads, rebuild, spec_of, tensor_bytes
 from ._wire import bytes_of, tensor_of
 
-__all__ = ["ALIGN", "Bucket", "Decoded", "Encoded", "decode", "encode", "materialize"]
+__all__ = [
+    "ALIGN",
+    "Bucket",
+    "Decoded",
+    "Encoded",
+    "cpu_buffer",
+    "decode",
+    "empty_buckets",
+    "encode",
+    "materialize",
+]
 
 ALIGN = 64
 """Byte alignment of tensors inside a bucket, so every dtype can view its slice."""
@@ -37,21 +48,11 @@ ALIGN = 64
 _LEN = struct.Struct("<I")
 
 
-@attrs.frozen
-class Bucket:
+class Bucket(NamedTuple):
     """One coalesced transfer: ``kind`` is ``"cpu"`` or ``"device"``."""
 
     kind: str
     nbytes: int
-
-
-@attrs.frozen
-class Encoded:
-    """A message body and the bucket buffers that follow it (source side)."""
-
-    body: bytes
-    buckets: list[Bucket]
-    data: list[torch.Tensor]
 
 
 @attrs.frozen
@@ -65,23 +66,74 @@ class Decoded:
     blob: bytes
 
 
+_HUGE_MIN_BYTES = 2 << 20  # one huge page
+
+
+def cpu_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 CPU buffer; large ones are backed by transparent huge pages.
+
+    glibc hands out blocks of 32 MiB and more as fresh mappings, whose first
+    write costs a page fault per 4 KiB page: for a 128 MiB receive buffer that
+    costs about as much as the transfer itself. Transparent huge pages cut the
+    faults 512-fold (``python -m pdist bench``, case (a)).
+    """
+    if nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the region alive
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _kind(t: torch.Tensor, device: torch.device) -> str:
-    return "cpu" if t.device.type == "cpu" or device.type == "cpu" else "device"
+@attrs.define
+class _Fill:
+    """Tensors gathered for one bucket, packed only when the transport asks for it."""
+
+    kind: str
+    device: torch.device
+    parts: list[torch.Tensor] = attrs.field(factory=list)
+    offsets: list[int] = attrs.field(factory=list)
+    size: int = 0
+
+    def add(self, data: torch.Tensor) -> int:
+        offset = _aligned(self.size)
+        self.parts.append(data)
+        self.offsets.append(offset)
+        self.size = offset + data.numel()
+        return offset
+
+    def pack(self, total: int) -> torch.Tensor:
+        if len(self.parts) == 1 and total == self.parts[0].numel():
+            return self.parts[0]  # a lone tensor goes without a copy
+        if self.device.type == "cpu":
+            flat = cpu_buffer(total)
+        else:
+            flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if all(p.numel() % ALIGN == 0 for p in self.parts):
+            # Offsets are then contiguous: one copy in C++.
+            torch.cat(self.parts, out=flat[: self.size])
+            flat[self.size :].zero_()
+            return flat
+        flat.zero_()  # the padding between parts
+        for part, offset in zip(self.parts, self.offsets, strict=True):
+            flat[offset : offset + part.numel()].copy_(part)
+        return flat
 
 
-def _pack(parts: list[torch.Tensor], offsets: list[int], total: int, device: torch.device) -> torch.Tensor:
-    if len(parts) == 1 and offsets[0] == 0:
-        return parts[0]  # a lone tensor goes without a copy
-    if all(p.numel() % ALIGN == 0 for p in parts):
-        return torch.cat(parts)  # offsets are then contiguous already
-    flat = torch.zeros(total, dtype=torch.uint8, device=device)
-    for part, offset in zip(parts, offsets, strict=True):
-        flat[offset : offset + part.numel()].copy_(part)
-    return flat
+@attrs.frozen
+class Encoded:
+    """A message body and the buckets that follow it (source side)."""
+
+    body: bytes
+    buckets: list[Bucket]
+    _fills: list[_Fill] = attrs.field(alias="fills")
+
+    def pack(self, index: int) -> torch.Tensor:
+        """The flat uint8 buffer of bucket ``index`` (packed now, so packing can overlap sends)."""
+        return self._fills[index].pack(self.buckets[index].nbytes)
 
 
 def encode(
@@ -102,49 +154,32 @@ def encode(
     places: list[tuple[int, int]] = []
     inline: list[bytes] = []
     inline_size = 0
-    open_buckets: dict[str, int] = {}
-    contents: list[tuple[str, list[torch.Tensor], list[int], int]] = []
-    for t, spec in zip(tensors, specs, strict=True):
-        nbytes = spec.nbytes
+    current: dict[str, int] = {}
+    fills: list[_Fill] = []
+    cpu_group = device.type == "cpu"
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
         if min_tensor_bytes is None or nbytes < min_tensor_bytes:
-            inline.append(bytes_of(tensor_bytes(t.detach().cpu())))
+            inline.append(bytes_of(tensor_bytes(t.cpu())))
             places.append((-1, inline_size))
             inline_size += nbytes
             continue
-        kind = _kind(t, device)
-        src = t if kind == "cpu" or t.device == device else t.to(device)
-        src = src.cpu() if kind == "cpu" else src
-        index = open_buckets.get(kind)
-        if index is None or contents[index][3] + nbytes > bucket_bytes:
-            index = open_buckets[kind] = len(contents)
-            contents.append((kind, [], [], 0))
-        kind_, parts, offsets, size = contents[index]
-        offset = _aligned(size)
-        parts.append(tensor_bytes(src))
-        offsets.append(offset)
-        contents[index] = (kind_, parts, offsets, offset + nbytes)
-        places.append((index, offset))
-    buckets: list[Bucket] = []
-    data: list[torch.Tensor] = []
-    for kind, parts, offsets, size in contents:
-        total = (size + pad_to - 1) // pad_to * pad_to
-        target = torch.device("cpu") if kind == "cpu" else device
-        flat = _pack(parts, offsets, size, target)
-        if flat.numel() < total:
-            flat = torch.cat([flat, flat.new_zeros(total - flat.numel())])
-        buckets.append(Bucket(kind, total))
-        data.append(flat)
+        if t.is_cpu or cpu_group:
+            kind, data = "cpu", tensor_bytes(t if t.is_cpu else t.cpu())
+        else:
+            kind, data = "device", tensor_bytes(t if t.device == device else t.to(device))
+        index = current.get(kind)
+        if index is None or _aligned(fills[index].size) + nbytes > bucket_bytes:
+            index = current[kind] = len(fills)
+            fills.append(_Fill(kind, torch.device("cpu") if kind == "cpu" else device))
+        places.append((index, fills[index].add(data)))
+    buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
     header = pickle.dumps(
-        (
-            len(skeleton),
-            [attrs.astuple(s) for s in specs],
-            places,
-            [(b.kind, b.nbytes) for b in buckets],
-        ),
+        (len(skeleton), [tuple(s) for s in specs], places, [tuple(b) for b in buckets]),
         protocol=PROTOCOL,
     )
     body = b"".join([_LEN.pack(len(header)), header, skeleton, *inline])
-    return Encoded(body, buckets, data)
+    return Encoded(body, buckets, fills)
 
 
 def decode(body: bytes, *, safe: Safe = False) -> Decoded:
@@ -165,9 +200,33 @@ def decode(body: bytes, *, safe: Safe = False) -> Decoded:
 def empty_buckets(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
     """Receive buffers for the buckets of ``decoded``."""
     return [
-        torch.empty(b.nbytes, dtype=torch.uint8, device="cpu" if b.kind == "cpu" else device)
+        cpu_buffer(b.nbytes)
+        if b.kind == "cpu" or device.type == "cpu"
+        else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
         for b in decoded.buckets
     ]
+
+
+def tensors_of(
+    decoded: Decoded,
+    buckets: Sequence[torch.Tensor],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """The received tensors, as views of ``buckets`` (which may still be filling)."""
+    tensors: list[torch.Tensor] = []
+    for spec, (index, offset) in zip(decoded.specs, decoded.places, strict=True):
+        n = spec.nbytes
+        if index < 0:
+            t = rebuild(spec, tensor_of(decoded.blob[offset : offset + n])[:n])
+            if spec.device_type != "cpu" and device.type != "cpu":
+                t = t.to(device)
+        else:
+            if index >= len(buckets):
+                msg = f"a received tensor refers to bucket {index} of {len(buckets)}"
+                raise PdistError(msg)
+            t = rebuild(spec, buckets[index][offset : offset + n])
+        tensors.append(t)
+    return tensors
 
 
 def materialize(
@@ -176,21 +235,6 @@ def materialize(
     device: torch.device,
     *,
     safe: Safe = False,
-    on_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Any:
     """Rebuild the object from a decoded body and its received buckets."""
-    tensors: list[torch.Tensor] = []
-    for spec, (index, offset) in zip(decoded.specs, decoded.places, strict=True):
-        n = spec.nbytes
-        if index < 0:
-            raw = tensor_of(decoded.blob[offset : offset + n])
-            t = rebuild(spec, raw[:n])
-            if spec.device_type != "cpu" and device.type != "cpu":
-                t = t.to(device)
-        else:
-            if index >= len(buckets):
-                msg = f"a received tensor refers to bucket {index} of {len(buckets)}"
-                raise PdistError(msg)
-            t = rebuild(spec, buckets[index][offset : offset + n])
-        tensors.append(on_tensor(t) if on_tensor is not None else t)
-    return loads(decoded.skeleton, tensors, safe=safe)
+    return loads(decoded.skeleton, tensors_of(decoded, buckets, device), safe=safe)

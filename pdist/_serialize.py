@@ -10,11 +10,11 @@ one id, so identity survives the trip. Pickles use protocol 2, the one torch's
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import torch
 
 from ._errors import PdistError
@@ -27,8 +27,13 @@ Safe = bool | Iterable[type]
 """``safe=`` argument: False (plain pickle), True (allow-list), or extra classes to allow."""
 
 
-@attrs.frozen
-class TensorSpec:
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+_NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
+
+
+class TensorSpec(NamedTuple):
     """What a receiver needs to rebuild one tensor from its bytes."""
 
     dtype: str
@@ -40,8 +45,8 @@ class TensorSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The ``torch.dtype`` named by ``dtype``."""
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = _DTYPES.get(self.dtype)
+        if dtype is None:
             msg = f"unknown dtype {self.dtype!r} in a received tensor"
             raise PdistError(msg)
         return dtype
@@ -49,34 +54,31 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.torch_dtype.itemsize
+        return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
 def spec_of(t: torch.Tensor) -> TensorSpec:
     """The spec of ``t`` (dtype, shape, device type, grad flag, Parameter or not)."""
     return TensorSpec(
-        dtype=str(t.dtype).removeprefix("torch."),
-        shape=tuple(t.shape),
-        device_type=t.device.type,
-        requires_grad=t.requires_grad,
-        is_param=isinstance(t, torch.nn.Parameter),
+        _NAMES[t.dtype],
+        tuple(t.shape),
+        t.device.type,
+        t.requires_grad,
+        type(t) is torch.nn.Parameter,
     )
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s data as a flat contiguous uint8 tensor on its own device (a view when possible)."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.uint8:
-        return flat
-    return flat.view(torch.uint8)
+    flat = t.detach()
+    flat = flat.view(-1) if flat.is_contiguous() else flat.contiguous().view(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 def rebuild(spec: TensorSpec, data: torch.Tensor) -> torch.Tensor:
     """The tensor described by ``spec`` from its flat uint8 ``data`` (a view of it)."""
-    t = data.view(spec.torch_dtype).reshape(spec.shape)
+    dtype = spec.torch_dtype
+    t = (data if dtype == torch.uint8 else data.view(dtype)).view(spec.shape)
     if spec.is_param:
         return torch.nn.Parameter(t, requires_grad=spec.requires_grad)
     if spec.requires_grad:
@@ -132,12 +134,12 @@ def loads(data: bytes, tensors: Sequence[torch.Tensor], *, safe: Safe = False) -
         return unpickler.load()
     from torch import _weights_only_unpickler
 
-    extra = [] if safe is True else list(safe)
+    extra: list[Any] = [] if safe is True else list(safe)
     safe_unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
     safe_unpickler.persistent_load = _persistent_loader(tensors)  # type: ignore[method-assign]
     try:
         with torch.serialization.safe_globals(extra):
-            return safe_unpickler.load()
+            return safe_unpickler.load()  # type: ignore[no-untyped-call]
     except pickle.UnpicklingError as exc:
         msg = (
             f"safe unpickling refused the received object: {exc} "

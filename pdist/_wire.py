@@ -87,7 +87,7 @@ def _unframe(data: bytes, group: Group, what: str) -> bytes:
     return body
 
 
-def _move(message: bytes | None, move: Callable[[torch.Tensor], None]) -> bytes:
+def _move(message: bytes | None, move: Callable[[torch.Tensor], object]) -> bytes:
     """Send (``message`` given) or receive (None) one framed message through ``move``."""
     size = FIRST_MESSAGE_BYTES
     if message is not None:
@@ -188,14 +188,27 @@ def all_gather_bytes(
     error: BaseException | None = None,
     what: str = "all_gather",
 ) -> list[bytes]:
-    """Every rank's ``payload`` in group order (two collectives on the CPU group).
+    """Every rank's ``payload`` in group order, over the CPU group.
 
-    A rank that passes ``error`` sends an error marker; then every rank raises
-    the same :class:`RemoteError`, naming the first failing rank.
+    One collective when every message fits the fixed first chunk, two
+    otherwise. A rank that passes ``error`` sends an error marker; then every
+    rank raises the same :class:`RemoteError`, naming the first failing rank.
     """
     message = _frame(payload, error, group.rank)
-    lengths, _failed = _exchange_sizes(group, message)
-    messages = _all_gather_messages(group, message, lengths)
+    size, pg = FIRST_MESSAGE_BYTES, group.cpu_group
+    firsts = [torch.empty(size, dtype=torch.uint8) for _ in group.ranks]
+    dist.all_gather(firsts, tensor_of(message[:size], size), group=pg)
+    lengths = [_HEADER.size + _HEADER.unpack(bytes_of(f, _HEADER.size))[1] for f in firsts]
+    longest = max(lengths)
+    if longest <= size:
+        messages = [bytes_of(f, n) for f, n in zip(firsts, lengths, strict=True)]
+    else:
+        rests = [torch.empty(longest - size, dtype=torch.uint8) for _ in group.ranks]
+        dist.all_gather(rests, tensor_of(message[size:], longest - size), group=pg)
+        messages = [
+            bytes_of(f, min(n, size)) + (bytes_of(r, n - size) if n > size else b"")
+            for f, r, n in zip(firsts, rests, lengths, strict=True)
+        ]
     return _unframe_all(messages, group, what)
 
 

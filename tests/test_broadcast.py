@@ -14,8 +14,17 @@ from pdist.testing import count_collectives, world_sizes
 Pair = collections.namedtuple("Pair", "first second")
 
 ALL_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
 ]
 
 
@@ -33,7 +42,9 @@ def _tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
 def _payload():
     shared = torch.arange(1000.0)
     big = {f"{d}".removeprefix("torch."): _tensor(d, (40, 30), i) for i, d in enumerate(ALL_DTYPES)}
-    small = {f"{d}".removeprefix("torch."): _tensor(d, (3,), 50 + i) for i, d in enumerate(ALL_DTYPES)}
+    small = {
+        f"{d}".removeprefix("torch."): _tensor(d, (3,), 50 + i) for i, d in enumerate(ALL_DTYPES)
+    }
     return [
         {"big": big, "small": small},
         Pair(shared, [shared, {"again": shared}]),
@@ -68,7 +79,7 @@ def _check(out) -> None:
 
 @world_sizes(2, 3)
 def test_round_trip_from_every_src(ctx):
-    """Every dtype, empty/zero-dim/non-contiguous tensors, namedtuples and shared tensors survive."""
+    """Every dtype, empty/zero-dim/non-contiguous tensors, namedtuples and shared tensors."""
     for src in range(ctx.world_size):
         objs = _payload() if ctx.rank == src else [None]
         pdist.broadcast_object_list(ctx, objs, src=src)
@@ -81,7 +92,7 @@ def test_round_trip_from_every_src(ctx):
 
 
 class MyList(list):
-    pass
+    """A list subclass the structured broadcast refuses."""
 
 
 def _cycle():

@@ -188,13 +188,15 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective(ctx):
         pdist.all_gather(ctx, x, dim=4)
     with pytest.raises(ValueError, match=r"needs a 4-D tensor, got shape \(2, 3\)"):
         pdist.all_to_all_4d(ctx, torch.ones(2, 3))
-    with pytest.raises(ValueError, match=rf"size {w + 1}, which the group size {w} does not divide"):
+    with pytest.raises(
+        ValueError, match=rf"size {w + 1}, which the group size {w} does not divide"
+    ):
         pdist.all_to_all_4d(ctx, x, scatter_dim=1, gather_dim=2)
     with pytest.raises(ValueError, match=r"op='avg' is not one of"):
         pdist.all_reduce(ctx, x, op="avg")
     with pytest.raises(TypeError, match=r"op='mean' needs a floating-point tensor"):
         pdist.all_reduce(ctx, torch.ones(2, dtype=torch.int64), op="mean")
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
         pdist.all_reduce(ctx, [1.0])
     # Nothing was left half-done: a collective still lines up.
     assert pdist.all_reduce(ctx, torch.ones(1)).item() == w

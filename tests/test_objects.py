@@ -33,6 +33,8 @@ class Evil:
 
 
 class Unpicklable:
+    """Refuses to be pickled."""
+
     def __reduce__(self):
         raise TypeError("cannot pickle Unpicklable")
 
@@ -157,7 +159,9 @@ def test_unpicklable_object_raises_on_every_rank(ctx):
         lambda: pdist.all_gather_object(ctx, Unpicklable() if ctx.rank == bad else 1),
         lambda: pdist.gather_object(ctx, Unpicklable() if ctx.rank == bad else 1, dst=0),
     ):
-        with pytest.raises(pdist.PdistError, match=rf"failed on rank {bad}: TypeError: cannot pickle") as info:
+        with pytest.raises(
+            pdist.PdistError, match=rf"failed on rank {bad}: TypeError: cannot pickle"
+        ) as info:
             call()
         messages.append(str(info.value))
     same = pdist.all_gather_object(ctx, messages)
@@ -167,10 +171,11 @@ def test_unpicklable_object_raises_on_every_rank(ctx):
 @world_sizes(2)
 def test_send_object_failure_reaches_the_receiver(ctx):
     """An unpicklable object makes both sender and receiver raise."""
-    with pytest.raises(pdist.PdistError, match="cannot pickle Unpicklable"):
-        if ctx.rank == 0:
+    if ctx.rank == 0:
+        with pytest.raises(pdist.PdistError, match="cannot pickle Unpicklable"):
             pdist.send_object(ctx, Unpicklable(), dst=1)
-        else:
+    else:
+        with pytest.raises(pdist.PdistError, match="cannot pickle Unpicklable"):
             pdist.recv_object(ctx, src=0)
 
 

@@ -1,0 +1,89 @@
+"""Command line: ``python -m pdist doctor`` and ``python -m pdist bench`` (also ``pdist``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        msg = f"{text!r} is not an integer"
+        raise argparse.ArgumentTypeError(msg) from None
+    if value < 1:
+        msg = f"{value} must be at least 1"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdist", description="pdist command line tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench}")
+    doctor = sub.add_parser("doctor", help="check the distributed set-up and report its health")
+    doctor.add_argument("--nproc", type=_positive, default=None, help="spawn N local ranks")
+    bench = sub.add_parser("bench", help="time pdist's collectives against torch baselines")
+    bench.add_argument(
+        "--nproc", type=_positive, default=None, help="spawn N local ranks (default 2)"
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="a short run (under a minute on 2 CPU ranks)"
+    )
+    bench.add_argument("--json", metavar="PATH", default=None, help="write every figure to PATH")
+    return parser
+
+
+def _format(records: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'case':<42} {'bytes':>11} {'pdist':>10} {'algbw':>8} {'busbw':>8}  ratios vs baselines",
+    ]
+    for r in records:
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+        lines.append(
+            f"{r['name']:<42} {r['bytes']:>11} {r['seconds']['pdist'] * 1e6:>8.0f}us "
+            f"{r['algbw_gbps']:>6.2f}GB {r['busbw_gbps']:>6.2f}GB  {ratios}"
+        )
+    return "\n".join(lines)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ._bench_cases import bench_rank as _bench_rank
+
+    if "RANK" in os.environ and args.nproc is None:
+        records = _bench_rank(args.quick, progress=True)
+        if os.environ.get("RANK") != "0":
+            return 0
+    else:
+        from .testing import spawn
+
+        nproc = args.nproc or 2
+        records = spawn(_bench_rank, nproc, args.quick, True, timeout=3600)[0]
+    world = records[0]["world_size"] if records else 0
+    print(f"pdist bench: {world} ranks, {'quick' if args.quick else 'full'} run")
+    print(_format(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=2)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m pdist`` and the ``pdist`` console script."""
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    from ._doctor import doctor
+
+    return doctor(args.nproc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

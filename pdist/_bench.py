@@ -1,0 +1,113 @@
+"""``python -m pdist bench``: pdist's collectives timed against baselines in the same run.
+
+Every case is timed as the median of repeated batches after warm-up, pdist
+and its baselines interleaved batch by batch so that drift hits them alike;
+a rank's figure is the slowest rank's median. Ratios are pdist / baseline.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ._context import DistContext
+
+__all__ = ["Case", "Record", "run_cases"]
+
+
+@attrs.frozen
+class Case:
+    """One benchmark case: ``setup(ctx)`` returns the functions to time, by name.
+
+    The function named ``"pdist"`` is the subject; the others are baselines.
+    """
+
+    name: str
+    nbytes: int
+    setup: Callable[[DistContext], dict[str, Callable[[], object]]]
+    inner: int = 1
+    busbw_factor: Callable[[int], float] = lambda n: 1.0
+    quick: bool = True
+
+
+@attrs.frozen
+class Record:
+    """The figures of one case."""
+
+    name: str
+    bytes: int
+    world_size: int
+    seconds: dict[str, float]
+    ratios: dict[str, float]
+    algbw_gbps: float
+    busbw_gbps: float
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return attrs.asdict(self)
+
+
+def _batch(fn: Callable[[], object], inner: int) -> float:
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - start) / inner
+
+
+def _measure(
+    ctx: DistContext, fns: dict[str, Callable[[], object]], *, inner: int, warmup: int, repeats: int
+) -> dict[str, float]:
+    cpu = ctx.world.cpu_group
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier(group=cpu)
+            samples[name].append(_batch(fn, inner))
+    medians = torch.tensor([statistics.median(samples[n]) for n in fns], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=cpu)
+    return dict(zip(fns, medians.tolist(), strict=True))
+
+
+def run_cases(
+    ctx: DistContext,
+    cases: list[Case],
+    *,
+    quick: bool,
+    progress: bool,
+) -> Iterator[Record]:
+    """Run ``cases`` on every rank; yields one record per case (identical on every rank)."""
+    selected = [c for c in cases if c.quick or not quick]
+    warmup, repeats = (1, 3) if quick else (2, 7)
+    for i, case in enumerate(selected, 1):
+        if progress:
+            sys.stderr.write(f"\r[{i}/{len(selected)}] {case.name:<48}")
+            sys.stderr.flush()
+        fns = case.setup(ctx)
+        seconds = _measure(ctx, fns, inner=case.inner, warmup=warmup, repeats=repeats)
+        del fns
+        mine = seconds["pdist"]
+        ratios = {n: mine / s for n, s in seconds.items() if n != "pdist" and s > 0}
+        algbw = case.nbytes / mine / 1e9 if mine > 0 else 0.0
+        yield Record(
+            name=case.name,
+            bytes=case.nbytes,
+            world_size=ctx.world_size,
+            seconds=seconds,
+            ratios=ratios,
+            algbw_gbps=algbw,
+            busbw_gbps=algbw * case.busbw_factor(ctx.world_size),
+        )
+    if progress:
+        sys.stderr.write("\r" + " " * 60 + "\r")
+        sys.stderr.flush()

@@ -1,0 +1,170 @@
+"""The cases of ``python -m pdist bench``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._bench import Case, run_cases
+from ._broadcast import broadcast_object_list
+from ._collate import collate_batches
+from ._collectives import all_gather, all_reduce, broadcast
+from ._context import DistContext, distributed
+from ._objects import all_gather_object
+
+__all__ = ["all_cases", "bench_rank"]
+
+Fns = dict[str, Callable[[], object]]
+
+_SIZES = [(4 << 10, True), (64 << 10, False), (1 << 20, True), (16 << 20, False)]
+
+
+def _label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _sweep_cases() -> list[Case]:
+    cases = []
+    for nbytes, quick in _SIZES:
+        numel = nbytes // 4
+
+        def reduce_setup(ctx: DistContext, numel: int = numel) -> Fns:
+            x = torch.ones(numel)
+            buf = torch.ones(numel)
+            pg = ctx.world.device_group
+            return {
+                "pdist": lambda: all_reduce(ctx, x),
+                "torch": lambda: dist.all_reduce(buf, group=pg),
+            }
+
+        def gather_setup(ctx: DistContext, numel: int = numel) -> Fns:
+            x = torch.ones(numel // ctx.world_size)
+            outs = [torch.empty_like(x) for _ in range(ctx.world_size)]
+            pg = ctx.world.device_group
+            return {
+                "pdist": lambda: all_gather(ctx, x, dim=0),
+                "torch": lambda: dist.all_gather(outs, x, group=pg),
+            }
+
+        def bcast_setup(ctx: DistContext, numel: int = numel) -> Fns:
+            x = torch.ones(numel)
+            buf = torch.ones(numel)
+            pg = ctx.world.device_group
+            return {
+                "pdist": lambda: broadcast(ctx, x),
+                "torch": lambda: dist.broadcast(buf, 0, group=pg),
+            }
+
+        inner = 20 if nbytes <= 64 << 10 else 3
+        label = _label(nbytes)
+        cases += [
+            Case(
+                f"all_reduce {label}", nbytes, reduce_setup, inner, lambda n: 2 * (n - 1) / n, quick
+            ),
+            Case(f"all_gather {label}", nbytes, gather_setup, inner, lambda n: (n - 1) / n, quick),
+            Case(f"broadcast {label}", nbytes, bcast_setup, inner, lambda n: 1.0, quick),
+        ]
+    return cases
+
+
+def _structured_a(ctx: DistContext) -> Fns:
+    """(a) one 128 MiB tensor with metadata vs a raw broadcast of the same bytes."""
+    w = torch.ones(32 << 20)  # 128 MiB of float32
+    payload = {"w": w, "meta": {"step": 1000, "name": "layer.0.weight", "shape": tuple(w.shape)}}
+    raw = torch.ones(32 << 20)
+    pg = ctx.world.device_group
+
+    def ours() -> None:
+        broadcast_object_list(ctx, [payload] if ctx.rank == 0 else [None])
+
+    return {"pdist": ours, "raw_broadcast": lambda: dist.broadcast(raw, 0, group=pg)}
+
+
+def _structured_b(ctx: DistContext) -> Fns:
+    """(b) 1000 tensors of 64 KiB (a state-dict shape) vs one flat broadcast of the same bytes."""
+    tensors = [torch.full((16 << 10,), float(i)) for i in range(1000)]
+    flat = torch.ones(1000 * (16 << 10))
+    pg = ctx.world.device_group
+
+    def ours() -> None:
+        broadcast_object_list(ctx, [tensors] if ctx.rank == 0 else [None])
+
+    def per_tensor() -> None:
+        for t in tensors:
+            dist.broadcast(t, 0, group=pg)
+
+    return {
+        "pdist": ours,
+        "flat_broadcast": lambda: dist.broadcast(flat, 0, group=pg),
+        "per_tensor_broadcast": per_tensor,
+    }
+
+
+def _structured_c(ctx: DistContext) -> Fns:
+    """(c) a tiny dict vs torch.distributed.broadcast_object_list."""
+    obj = {"step": 3, "lr": 0.1}
+    pg = ctx.world.cpu_group
+
+    def ours() -> None:
+        broadcast_object_list(ctx, [obj] if ctx.rank == 0 else [None])
+
+    def theirs() -> None:
+        dist.broadcast_object_list([obj] if ctx.rank == 0 else [None], src=0, group=pg)
+
+    return {"pdist": ours, "torch_broadcast_object_list": theirs}
+
+
+def _object_gather(ctx: DistContext) -> Fns:
+    """all_gather_object of a small dict vs torch.distributed.all_gather_object."""
+    obj = {"rank": ctx.rank, "loss": 0.25, "tokens": list(range(32))}
+    pg = ctx.world.cpu_group
+    out: list[object] = [None] * ctx.world_size
+
+    def ours() -> None:
+        all_gather_object(ctx, obj)
+
+    return {
+        "pdist": ours,
+        "torch_all_gather_object": lambda: dist.all_gather_object(out, obj, group=pg),
+    }
+
+
+def _collate(ctx: DistContext) -> Fns:
+    """32 leaves of [~5000, 8] per rank, uneven by one, vs one raw all_gather of the bytes."""
+    world = ctx.world_size
+    size = 5000 * world - 1
+    count = len(range(ctx.rank, size, world))
+    batches = [
+        {f"leaf{i}": torch.full((min(500, count - chunk), 8), float(i)) for i in range(32)}
+        for chunk in range(0, count, 500)
+    ]
+    per_rank = 32 * 5000 * 8
+    mine = torch.ones(per_rank)
+    out = torch.empty(per_rank * world)
+    pg = ctx.world.cpu_group
+    return {
+        "pdist": lambda: collate_batches(ctx, batches),
+        "raw_all_gather": lambda: dist.all_gather_into_tensor(out, mine, group=pg),
+    }
+
+
+def all_cases() -> list[Case]:
+    """Every case, in the order they run."""
+    return [
+        *_sweep_cases(),
+        Case("structured broadcast (a) 128 MiB + meta", 128 << 20, _structured_a, 1),
+        Case("structured broadcast (b) 1000 x 64 KiB", 1000 * (64 << 10), _structured_b, 1),
+        Case("structured broadcast (c) tiny dict", 32, _structured_c, 50),
+        Case("all_gather_object small dict", 256, _object_gather, 50),
+        Case("collate_batches 32 x [5000, 8]", 32 * 5000 * 8 * 4, _collate, 1),
+    ]
+
+
+def bench_rank(quick: bool, progress: bool) -> list[dict[str, Any]]:
+    """Run every case on this rank inside ``distributed()``; every rank returns the records."""
+    with distributed() as ctx:
+        show = progress and ctx.rank == 0
+        return [r.as_json() for r in run_cases(ctx, all_cases(), quick=quick, progress=show)]

@@ -1,0 +1,1 @@
+"""``python -m pdist doctor``: placeholder replaced below."""
