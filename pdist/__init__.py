@@ -43,11 +43,16 @@ from ._ranks import rank0_only as rank0_only
 from ._topology import gpu_cpu_affinity as gpu_cpu_affinity
 from ._topology import same_node_ranks as same_node_ranks
 from ._topology import set_cpu_affinity as set_cpu_affinity
+from ._training import DistributedDataParallel as DistributedDataParallel
+from ._training import grad_sync as grad_sync
+from ._training import sync_model_states as sync_model_states
+from ._training import wrap_ddp as wrap_ddp
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistContext",
+    "DistributedDataParallel",
     "EvalSampler",
     "Group",
     "PdistError",
@@ -68,6 +73,7 @@ __all__ = [
     "gather",
     "gather_object",
     "gpu_cpu_affinity",
+    "grad_sync",
     "is_rank0",
     "new_sp_group",
     "new_tp_group",
@@ -84,4 +90,6 @@ __all__ = [
     "send_tensor_dict",
     "set_cpu_affinity",
     "shard",
+    "sync_model_states",
+    "wrap_ddp",
 ]

@@ -108,7 +108,7 @@ def _local(batches: Sequence[Any]) -> tuple[Spec, list[str], list[list[torch.Ten
             raise ValueError(msg)
         sizes = sorted({t.shape[0] for _, t in leaves})
         if len(sizes) > 1:
-            msg = f"collate_batches: the leaves of batch {i} hold different numbers of samples {sizes}"
+            msg = f"collate_batches: the leaves of batch {i} hold different sample counts {sizes}"
             raise ValueError(msg)
         for column, (name, t) in zip(columns, leaves, strict=True):
             if column and (column[0].shape[1:] != t.shape[1:] or column[0].dtype != t.dtype):

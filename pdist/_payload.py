@@ -35,6 +35,7 @@ __all__ = [
     "Bucket",
     "Decoded",
     "Encoded",
+    "Fill",
     "cpu_buffer",
     "decode",
     "empty_buckets",
@@ -89,38 +90,60 @@ def _aligned(n: int) -> int:
 
 
 @attrs.define
-class _Fill:
-    """Tensors gathered for one bucket, packed only when the transport asks for it."""
+class Fill:
+    """Tensors laid out in one bucket (at ``ALIGN``-ed byte offsets), packed on demand."""
 
     kind: str
     device: torch.device
-    parts: list[torch.Tensor] = attrs.field(factory=list)
+    tensors: list[torch.Tensor] = attrs.field(factory=list)
     offsets: list[int] = attrs.field(factory=list)
     size: int = 0
 
-    def add(self, data: torch.Tensor) -> int:
+    def add(self, t: torch.Tensor) -> int:
+        """Reserve room for ``t``; returns its byte offset in the bucket."""
         offset = _aligned(self.size)
-        self.parts.append(data)
+        self.tensors.append(t)
         self.offsets.append(offset)
-        self.size = offset + data.numel()
+        self.size = offset + t.numel() * t.element_size()
         return offset
 
-    def pack(self, total: int) -> torch.Tensor:
-        if len(self.parts) == 1 and total == self.parts[0].numel():
-            return self.parts[0]  # a lone tensor goes without a copy
+    def _lone(self, total: int) -> bool:
+        return len(self.tensors) == 1 and total == self.size and self.tensors[0].is_contiguous()
+
+    def _empty(self, total: int) -> torch.Tensor:
         if self.device.type == "cpu":
-            flat = cpu_buffer(total)
-        else:
-            flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        if all(p.numel() % ALIGN == 0 for p in self.parts):
+            return cpu_buffer(total)
+        return torch.empty(total, dtype=torch.uint8, device=self.device)
+
+    def pack(self, total: int) -> torch.Tensor:
+        """The bucket as one flat uint8 buffer of ``total`` bytes (zero-padded)."""
+        if self._lone(total):
+            return tensor_bytes(self.tensors[0])  # a lone tensor goes without a copy
+        flat = self._empty(total)
+        parts = [tensor_bytes(t) for t in self.tensors]
+        if all(p.numel() % ALIGN == 0 for p in parts):
             # Offsets are then contiguous: one copy in C++.
-            torch.cat(self.parts, out=flat[: self.size])
+            torch.cat(parts, out=flat[: self.size])
             flat[self.size :].zero_()
             return flat
         flat.zero_()  # the padding between parts
-        for part, offset in zip(self.parts, self.offsets, strict=True):
+        for part, offset in zip(parts, self.offsets, strict=True):
             flat[offset : offset + part.numel()].copy_(part)
         return flat
+
+    def receive_buffer(self) -> torch.Tensor:
+        """Where to receive this bucket into the tensors of ``add`` (in place when lone)."""
+        if self._lone(self.size):
+            return tensor_bytes(self.tensors[0])
+        return self._empty(self.size)
+
+    def unpack(self, buffer: torch.Tensor) -> None:
+        """Copy a received bucket into the tensors of ``add``."""
+        if self._lone(self.size):
+            return
+        for t, offset in zip(self.tensors, self.offsets, strict=True):
+            n = t.numel() * t.element_size()
+            t.copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
 
 
 @attrs.frozen
@@ -129,7 +152,7 @@ class Encoded:
 
     body: bytes
     buckets: list[Bucket]
-    _fills: list[_Fill] = attrs.field(alias="fills")
+    _fills: list[Fill] = attrs.field(alias="fills")
 
     def pack(self, index: int) -> torch.Tensor:
         """The flat uint8 buffer of bucket ``index`` (packed now, so packing can overlap sends)."""
@@ -155,7 +178,7 @@ def encode(
     inline: list[bytes] = []
     inline_size = 0
     current: dict[str, int] = {}
-    fills: list[_Fill] = []
+    fills: list[Fill] = []
     cpu_group = device.type == "cpu"
     for t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -165,13 +188,13 @@ def encode(
             inline_size += nbytes
             continue
         if t.is_cpu or cpu_group:
-            kind, data = "cpu", tensor_bytes(t if t.is_cpu else t.cpu())
+            kind, data = "cpu", t.detach().cpu()
         else:
-            kind, data = "device", tensor_bytes(t if t.device == device else t.to(device))
+            kind, data = "device", t.detach().to(device)
         index = current.get(kind)
         if index is None or _aligned(fills[index].size) + nbytes > bucket_bytes:
             index = current[kind] = len(fills)
-            fills.append(_Fill(kind, torch.device("cpu") if kind == "cpu" else device))
+            fills.append(Fill(kind, torch.device("cpu") if kind == "cpu" else device))
         places.append((index, fills[index].add(data)))
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
     header = pickle.dumps(

@@ -1,0 +1,289 @@
+"""Training helpers: grad_sync for DDP and FSDP2, DDP's training_step, sync_model_states."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _wire
+from ._broadcast import DEFAULT_BUCKET_BYTES
+from ._context import DistContext, Group, as_group
+from ._errors import RankMismatchError
+from ._payload import Fill
+
+__all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
+
+
+def _fsdp_module_type() -> type | None:
+    # torch >= 2.6 exports FSDPModule from fsdp; older versions keep it under _composable.
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            found = getattr(importlib.import_module(name), "FSDPModule", None)
+        except ImportError:
+            continue
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def _fsdp_param_groups(module: nn.Module) -> list[Any]:
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.7 has at most one group per module
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+_STATIC_WARNED = "_pdist_static_graph_warned"
+
+
+def _static_graph(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    return bool(getattr(ddp, "static_graph", False))
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Turn cross-replica gradient synchronization on or off inside the block.
+
+    - DDP (torch's or pdist's): sets ``require_backward_grad_sync``. With
+      ``static_graph=True`` the flag cannot change: it is left alone, with a
+      warning once per model.
+    - FSDP2 (``fully_shard``): defers only the cross-replica all-reduce of
+      HSDP (``set_requires_all_reduce(enabled, recurse=False)`` on every FSDP
+      module with parameters), so reduce-scatter still runs every micro-step
+      and gradient memory does not grow.
+    - Plain modules and one-rank runs: nothing to do.
+
+    On exit every module gets back exactly its own previous flag, also when
+    the block raises or when setting the flags fails half-way. Nests freely.
+
+    Example::
+
+        for i, batch in enumerate(micro_batches):
+            with pdist.grad_sync(model, enabled=(i == len(micro_batches) - 1)):
+                model(batch).sum().backward()
+    """
+    fsdp_type = _fsdp_module_type()
+    restore: list[Any] = []
+
+    def undo() -> None:
+        for action in reversed(restore):
+            action()
+
+    try:
+        for module in model.modules():
+            if isinstance(module, nn.parallel.DistributedDataParallel):
+                if _static_graph(module):
+                    if not getattr(module, _STATIC_WARNED, False):
+                        object.__setattr__(module, _STATIC_WARNED, True)
+                        warnings.warn(
+                            "grad_sync: this DDP model uses static_graph=True, whose gradient "
+                            "synchronization cannot be skipped; gradients are synced every step",
+                            UserWarning,
+                            stacklevel=3,
+                        )
+                    continue
+                old_flag = module.require_backward_grad_sync
+                restore.append(
+                    lambda m=module, v=old_flag: setattr(m, "require_backward_grad_sync", v)
+                )
+                module.require_backward_grad_sync = bool(enabled)
+            elif fsdp_type is not None and isinstance(module, fsdp_type):
+                groups = _fsdp_param_groups(module)
+                if not groups:
+                    continue
+                olds = [g.all_reduce_grads for g in groups]
+
+                def put_back(gs: list[Any] = groups, vs: list[bool] = olds) -> None:
+                    for g, v in zip(gs, vs, strict=True):
+                        g.all_reduce_grads = v
+
+                restore.append(put_back)
+                module.set_requires_all_reduce(bool(enabled), recurse=False)  # type: ignore[operator]
+    except BaseException:
+        undo()
+        raise
+    try:
+        yield
+    finally:
+        undo()
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """torch's DDP plus :meth:`training_step`, which runs through DDP's forward and hooks."""
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module's ``training_step`` as DDP's forward.
+
+        DDP's gradient hooks only arm through ``forward``; this redirects the
+        wrapped module's ``forward`` to its ``training_step`` for one call and
+        puts it back afterwards, also when the step raises.
+
+        Raises:
+            AttributeError: The wrapped module has no ``training_step``.
+        """
+        inner = self.module
+        step = getattr(inner, "training_step", None)
+        if step is None:
+            msg = f"{type(inner).__name__} has no training_step method"
+            raise AttributeError(msg)
+        had_own = "forward" in inner.__dict__
+        own = inner.__dict__.get("forward")
+        inner.forward = step
+        try:
+            return self(*args, **kwargs)
+        finally:
+            if had_own:
+                inner.forward = own
+            else:
+                del inner.forward
+
+
+def wrap_ddp(ctx: DistContext, model: nn.Module, **ddp_options: Any) -> nn.Module:
+    """Wrap ``model`` in :class:`DistributedDataParallel` over the context's ``dp`` group.
+
+    The model is moved to ``ctx.device`` first (``Module.to`` works in place).
+    When the ``dp`` group has one rank there is nothing to synchronize and the
+    model comes back unwrapped.
+
+    .. note:: Every rank of the ``dp`` group must call it (DDP broadcasts rank
+       0's parameters on construction).
+
+    Args:
+        ctx: The context.
+        model: The module to wrap.
+        **ddp_options: Passed to ``DistributedDataParallel`` (``static_graph``,
+            ``find_unused_parameters``, ...).
+    """
+    model.to(ctx.device)
+    if ctx.dp.world_size == 1:
+        return model
+    if "process_group" in ddp_options or "device_ids" in ddp_options:
+        msg = "wrap_ddp sets process_group and device_ids from the context; do not pass them"
+        raise TypeError(msg)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(
+        model, process_group=ctx.dp.device_group, device_ids=device_ids, **ddp_options
+    )
+
+
+def _ignored(name: str, ignore: Iterable[str]) -> bool:
+    return any(name == pattern or name.startswith(pattern + ".") for pattern in ignore)
+
+
+def _states(
+    model: nn.Module, ignore: tuple[str, ...], buffers: bool
+) -> list[tuple[str, torch.Tensor]]:
+    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters())  # shared ones once
+    if buffers:
+        named += [(n, b) for n, b in model.named_buffers() if b is not None]
+    return [(n, t) for n, t in named if not _ignored(n, ignore)]
+
+
+def _first_difference(src: list[tuple[str, Any, Any]], other: list[tuple[str, Any, Any]]) -> str:
+    src_names, other_names = [e[0] for e in src], [e[0] for e in other]
+    if src_names != other_names:
+        extra = [n for n in other_names if n not in set(src_names)]
+        missing = [n for n in src_names if n not in set(other_names)]
+        if extra or missing:
+            return f"names only there: {extra[:3]}, names missing there: {missing[:3]}"
+        return "the same names in another order"
+    for a, b in zip(src, other, strict=True):
+        if a != b:
+            return f"{a[0]} {a[2]} {list(a[1])} vs {b[0]} {b[2]} {list(b[1])}"
+    return "none"
+
+
+def sync_model_states(
+    group: Group | DistContext,
+    model: nn.Module,
+    src: int = 0,
+    *,
+    ignore: Iterable[str] = (),
+    broadcast_buffers: bool = True,
+) -> None:
+    """Copy ``model``'s parameters (and buffers) from group index ``src`` to every rank, in place.
+
+    Before any tensor moves, every rank exchanges a fingerprint of the
+    (name, shape, dtype) of what it will send or receive; any difference
+    raises :class:`~pdist.RankMismatchError` on every rank, naming the first
+    differing entries and the ranks (such a mismatch would otherwise deadlock
+    NCCL). Shared parameters are sent once; tensors travel in coalesced
+    buckets, not one collective each.
+
+    .. note:: All ranks of the group must call it.
+
+    Args:
+        group: The group (a context means its world).
+        model: The model to synchronize.
+        src: Group index of the rank whose states win.
+        ignore: Names (or name prefixes ending a dotted component, such as
+            ``"head"`` for ``"head.weight"``) to leave alone.
+        broadcast_buffers: Also synchronize buffers (running statistics...).
+    """
+    g = as_group(group)
+    g.global_rank(src)
+    if isinstance(ignore, str):
+        ignore = (ignore,)
+    ignore = tuple(ignore)
+    states = _states(model, ignore, broadcast_buffers)
+    if g.world_size == 1:
+        return
+    entries = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in states]
+    digest = hashlib.sha256(repr(entries).encode()).hexdigest()
+    digests = _wire.exchange(g, digest, what="sync_model_states")
+    if len(set(digests)) > 1:
+        # Only now the full lists: the common path exchanges 64 bytes.
+        lists = _wire.exchange(g, entries, what="sync_model_states")
+        bad = [g.ranks[i] for i, d in enumerate(digests) if d != digests[src]]
+        first_bad = g.ranks.index(bad[0])
+        msg = (
+            f"sync_model_states: the states of ranks {bad} differ from those of src rank "
+            f"{g.ranks[src]}: first difference (src vs rank {bad[0]}): "
+            f"{_first_difference(lists[src], lists[first_bad])}"
+        )
+        raise RankMismatchError(msg)
+    with torch.no_grad():
+        broadcast_tensors(g, [t for _, t in states], src)
+
+
+def broadcast_tensors(
+    group: Group, tensors: list[torch.Tensor], src: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """Broadcast ``tensors`` (same shapes and dtypes on every rank) from ``src``, in place.
+
+    Both sides know the layout, so no header travels: the source packs the
+    tensors into byte buckets per transport, receivers unpack them into their
+    own tensors. A tensor of a bucket of its own is received in place.
+    """
+    src_global = group.global_rank(src)
+    is_src = group.rank_in_group == src
+    fills: list[Fill] = []
+    current: dict[str, int] = {}
+    for t in tensors:
+        kind = "cpu" if t.is_cpu or group.device.type == "cpu" else "device"
+        index = current.get(kind)
+        if index is None or fills[index].size + t.numel() * t.element_size() > bucket_bytes:
+            index = current[kind] = len(fills)
+            fills.append(Fill(kind, t.device if kind == "device" else torch.device("cpu")))
+        fills[index].add(t)
+    works = []
+    for fill in fills:
+        pg = group.cpu_group if fill.kind == "cpu" else group.device_group
+        buffer = fill.pack(fill.size) if is_src else fill.receive_buffer()
+        works.append(
+            (fill, buffer, dist.broadcast(buffer, src=src_global, group=pg, async_op=True))
+        )
+    for fill, buffer, work in works:
+        work.wait()
+        if not is_src:
+            fill.unpack(buffer)
