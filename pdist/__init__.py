@@ -28,6 +28,9 @@ from ._context import new_tp_group as new_tp_group
 from ._context import patch_tp as patch_tp
 from ._errors import PdistError as PdistError
 from ._errors import RankMismatchError as RankMismatchError
+from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
+from ._guard import world_comm_guard as world_comm_guard
+from ._guard import world_comm_timeout as world_comm_timeout
 from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_tensor_dict as broadcast_tensor_dict
@@ -51,6 +54,7 @@ from ._training import wrap_ddp as wrap_ddp
 __version__ = "0.1.0"
 
 __all__ = [
+    "WORLD_COMM_TIMEOUT_EXIT_CODE",
     "DistContext",
     "DistributedDataParallel",
     "EvalSampler",
@@ -91,5 +95,7 @@ __all__ = [
     "set_cpu_affinity",
     "shard",
     "sync_model_states",
+    "world_comm_guard",
+    "world_comm_timeout",
     "wrap_ddp",
 ]

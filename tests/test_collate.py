@@ -102,9 +102,7 @@ def test_mismatches_raise_on_every_rank(ctx):
         pdist.collate_batches(ctx, counts)
 
     malformed = [{"a": torch.zeros(2), "b": torch.zeros(3)}] if odd else [{"a": torch.zeros(1)}]
-    with pytest.raises(
-        pdist.PdistError, match=r"different sample counts \[2, 3\] \(on rank 1\)"
-    ):
+    with pytest.raises(pdist.PdistError, match=r"different sample counts \[2, 3\] \(on rank 1\)"):
         pdist.collate_batches(ctx, malformed)
     # Still in step.
     assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size

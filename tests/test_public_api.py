@@ -8,22 +8,59 @@ import sys
 import pdist
 
 PUBLIC = {
+    # context
+    "distributed",
     "DistContext",
     "Group",
+    "patch_tp",
+    "new_tp_group",
+    "new_sp_group",
+    "device_mesh",
+    # ranks
+    "is_rank0",
+    "rank0_only",
+    "rank0_first",
+    "barrier",
+    # tensors
+    "all_reduce",
+    "all_gather",
+    "all_gather_tensor",
+    "gather",
+    "reduce",
+    "broadcast",
+    "all_to_all_4d",
+    "shard",
+    "send",
+    "recv",
+    # objects
+    "broadcast_object",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "send_object",
+    "recv_object",
+    "broadcast_tensor_dict",
+    "send_tensor_dict",
+    "recv_tensor_dict",
+    # evaluation
+    "EvalSampler",
+    "collate_batches",
+    # training
+    "grad_sync",
+    "wrap_ddp",
+    "DistributedDataParallel",
+    "sync_model_states",
+    # start-up
+    "world_comm_guard",
+    "world_comm_timeout",
+    "WORLD_COMM_TIMEOUT_EXIT_CODE",
+    # topology
+    "same_node_ranks",
+    "gpu_cpu_affinity",
+    "set_cpu_affinity",
+    # errors
     "PdistError",
     "RankMismatchError",
-    "barrier",
-    "device_mesh",
-    "distributed",
-    "gpu_cpu_affinity",
-    "is_rank0",
-    "new_sp_group",
-    "new_tp_group",
-    "patch_tp",
-    "rank0_first",
-    "rank0_only",
-    "same_node_ranks",
-    "set_cpu_affinity",
 }
 
 

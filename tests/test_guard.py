@@ -1,0 +1,178 @@
+"""The start-up guard, timeouts and dead ranks, with real processes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from launcher import run_ranks
+
+import pdist
+from pdist.testing import world_sizes
+
+TABLE = [
+    (None, 600.0, False),
+    ("abc", 600.0, True),
+    ("nan", 600.0, True),
+    ("inf", 600.0, True),
+    ("-5", 600.0, True),
+    ("0", None, False),
+    ("12.5", 12.5, False),
+]
+
+
+@pytest.mark.parametrize(("raw", "expected", "warns"), TABLE)
+def test_world_comm_timeout_parsing(raw, expected, warns, monkeypatch, caplog):
+    """The guard's deadline: 0 waits forever; garbage never disarms it."""
+    if raw is None:
+        monkeypatch.delenv("PDIST_WORLD_COMM_TIMEOUT_SEC", raising=False)
+    else:
+        monkeypatch.setenv("PDIST_WORLD_COMM_TIMEOUT_SEC", raw)
+    with caplog.at_level(logging.WARNING, logger="pdist"):
+        assert pdist.world_comm_timeout() == expected
+    assert bool(caplog.records) == warns
+    if warns:
+        assert "PDIST_WORLD_COMM_TIMEOUT_SEC" in caplog.records[0].getMessage()
+
+
+@world_sizes(2, 3)
+def test_guard_success(ctx):
+    """A healthy world passes the probe and runs the block."""
+    with pdist.world_comm_guard(ctx, timeout=60):
+        assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+    with pdist.world_comm_guard(ctx, timeout=0):  # waits forever: no watchdog
+        pass
+
+
+GUARD_MISSING_RANK = """
+    import time, pdist
+    with pdist.distributed() as ctx:
+        if ctx.rank == 2:
+            time.sleep(120)  # never reaches the guard
+        print("GUARD", flush=True)
+        with pdist.world_comm_guard(ctx, timeout=3):
+            pass
+"""
+
+
+def test_missing_rank_exits_93_and_is_named():
+    """Ranks 0 and 1 end with 93 soon after the deadline, naming rank 2."""
+    results = run_ranks(GUARD_MISSING_RANK, 3, timeout=90, wait_for=[0, 1])
+    for r in results[:2]:
+        assert r.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, r.output
+        assert "ranks that never checked in: 2 (host" in r.output
+        assert "3s deadline" in r.output
+        assert "PDIST_WORLD_COMM_TIMEOUT_SEC" in r.output
+    # Both survivors end within deadline + grace of each other (start-up costs differ).
+    assert abs(results[0].seconds - results[1].seconds) < 3 + 1 + 5
+
+
+GUARD_SLOW_BLOCK = """
+    import time, pdist
+    with pdist.distributed() as ctx:
+        start = time.monotonic()
+        with pdist.world_comm_guard(ctx, timeout=2):
+            print("ENTERED", flush=True)
+            time.sleep(120)
+"""
+
+
+def test_block_outliving_the_deadline_exits_93():
+    """The deadline covers the block too."""
+    results = run_ranks(GUARD_SLOW_BLOCK, 2, timeout=90)
+    for r in results:
+        assert r.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, r.output
+        assert "the guarded block did not finish" in r.output
+        assert "none (all checked in)" in r.output
+
+
+TWO_HOSTS = """
+    import pdist
+    with pdist.distributed() as ctx:
+        print("NODE", list(ctx.node.ranks), flush=True)
+        print("SAME", pdist.same_node_ranks(ctx, source_rank=2), flush=True)
+"""
+
+
+def test_two_simulated_hosts_give_two_node_groups():
+    """Each host's ranks share /dev/shm only with each other: node groups [0,1] and [2,3]."""
+    results = run_ranks(TWO_HOSTS, 4, timeout=120, hosts=[[0, 1], [2, 3]])
+    for r in results:
+        assert r.returncode == 0, r.output
+        expected = [0, 1] if r.rank < 2 else [2, 3]
+        assert f"NODE {expected}" in r.output
+        assert "SAME [2, 3]" in r.output
+
+
+UNEVEN_HOSTS = """
+    import pdist
+    try:
+        with pdist.distributed() as ctx:
+            pass
+    except pdist.PdistError as exc:
+        print("ERROR", exc, flush=True)
+"""
+
+
+def test_uneven_hosts_fail_on_every_rank():
+    """Hosts with different numbers of ranks raise PdistError on every rank."""
+    results = run_ranks(UNEVEN_HOSTS, 3, timeout=120, hosts=[[0], [1, 2]])
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert "ERROR hosts hold different numbers of ranks" in r.output
+
+
+DEAD_RANK = """
+    import os, time, torch, pdist
+    with pdist.distributed(timeout=5) as ctx:
+        pdist.barrier(ctx)
+        if ctx.rank == 1:
+            os._exit(3)
+        start = time.monotonic()
+        try:
+            for _ in range(100):
+                pdist.all_reduce(ctx, torch.ones(1))
+                time.sleep(0.05)
+        except RuntimeError as exc:
+            print(f"RAISED after {time.monotonic() - start:.1f}s", flush=True)
+    print("EXITED", flush=True)
+"""
+
+
+def test_survivor_raises_within_the_timeout_and_the_run_ends():
+    """A rank exiting mid-run makes the survivor's next collective raise, and exit works."""
+    results = run_ranks(DEAD_RANK, 2, timeout=90)
+    assert results[1].returncode == 3
+    survivor = results[0]
+    assert survivor.returncode == 0, survivor.output
+    assert "RAISED after" in survivor.output
+    seconds = float(survivor.output.split("RAISED after ")[1].split("s")[0])
+    assert seconds < 5 + 3
+    assert "EXITED" in survivor.output
+
+
+HUNG_RANK = """
+    import time, torch, pdist
+    with pdist.distributed(timeout=3) as ctx:
+        pdist.barrier(ctx)
+        if ctx.rank == 1:
+            time.sleep(60)
+        else:
+            start = time.monotonic()
+            try:
+                pdist.all_reduce(ctx, torch.ones(1))
+            except RuntimeError:
+                print(f"RAISED after {time.monotonic() - start:.1f}s", flush=True)
+    print("EXITED", flush=True)
+"""
+
+
+def test_collective_timeout_applies_to_a_hung_peer():
+    """A peer that stops answering makes the collective raise after the timeout."""
+    results = run_ranks(HUNG_RANK, 2, timeout=90, wait_for=[0])
+    survivor = results[0]
+    assert "RAISED after" in survivor.output, survivor.output
+    seconds = float(survivor.output.split("RAISED after ")[1].split("s")[0])
+    assert 2 < seconds < 3 + 5
+    assert "EXITED" in survivor.output
