@@ -28,9 +28,11 @@ from ._context import new_tp_group as new_tp_group
 from ._context import patch_tp as patch_tp
 from ._errors import PdistError as PdistError
 from ._errors import RankMismatchError as RankMismatchError
+from ._graph import graph_capture as graph_capture
 from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
 from ._guard import world_comm_guard as world_comm_guard
 from ._guard import world_comm_timeout as world_comm_timeout
+from ._mq import message_queue as message_queue
 from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_tensor_dict as broadcast_tensor_dict
@@ -78,7 +80,9 @@ __all__ = [
     "gather_object",
     "gpu_cpu_affinity",
     "grad_sync",
+    "graph_capture",
     "is_rank0",
+    "message_queue",
     "new_sp_group",
     "new_tp_group",
     "patch_tp",

@@ -8,6 +8,7 @@ a rank's figure is the slowest rank's median. Ratios are pdist / baseline.
 from __future__ import annotations
 
 import collections
+import contextlib
 import statistics
 import sys
 import time
@@ -25,14 +26,15 @@ __all__ = ["Case", "Record", "run_cases"]
 
 @attrs.frozen
 class Case:
-    """One benchmark case: ``setup(ctx)`` returns the functions to time, by name.
+    """One benchmark case: ``setup(ctx, stack)`` returns the functions to time, by name.
 
     The function named ``"pdist"`` is the subject; the others are baselines.
+    Whatever the setup enters on ``stack`` is closed after the case.
     """
 
     name: str
     nbytes: int
-    setup: Callable[[DistContext], dict[str, Callable[[], object]]]
+    setup: Callable[[DistContext, contextlib.ExitStack], dict[str, Callable[[], object]]]
     inner: int = 1
     busbw_factor: Callable[[int], float] = lambda n: 1.0
     quick: bool = True
@@ -93,9 +95,10 @@ def run_cases(
         if progress:
             sys.stderr.write(f"\r[{i}/{len(selected)}] {case.name:<48}")
             sys.stderr.flush()
-        fns = case.setup(ctx)
-        seconds = _measure(ctx, fns, inner=case.inner, warmup=warmup, repeats=repeats)
-        del fns
+        with contextlib.ExitStack() as stack:
+            fns = case.setup(ctx, stack)
+            seconds = _measure(ctx, fns, inner=case.inner, warmup=warmup, repeats=repeats)
+            del fns
         mine = seconds["pdist"]
         ratios = {n: mine / s for n, s in seconds.items() if n != "pdist" and s > 0}
         algbw = case.nbytes / mine / 1e9 if mine > 0 else 0.0

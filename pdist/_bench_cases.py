@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -10,10 +11,11 @@ import torch.distributed as dist
 
 from ._bench import Case, run_cases
 from ._broadcast import broadcast_object_list
-from ._collate import collate_batches
+from ._collate import all_gather_into, collate_batches
 from ._collectives import all_gather, all_reduce, broadcast
 from ._context import DistContext, distributed
-from ._objects import all_gather_object
+from ._mq import message_queue
+from ._objects import all_gather_object, broadcast_object
 
 __all__ = ["all_cases", "bench_rank"]
 
@@ -31,7 +33,7 @@ def _sweep_cases() -> list[Case]:
     for nbytes, quick in _SIZES:
         numel = nbytes // 4
 
-        def reduce_setup(ctx: DistContext, numel: int = numel) -> Fns:
+        def reduce_setup(ctx: DistContext, stack: contextlib.ExitStack, numel: int = numel) -> Fns:
             x = torch.ones(numel)
             buf = torch.ones(numel)
             pg = ctx.world.device_group
@@ -40,7 +42,7 @@ def _sweep_cases() -> list[Case]:
                 "torch": lambda: dist.all_reduce(buf, group=pg),
             }
 
-        def gather_setup(ctx: DistContext, numel: int = numel) -> Fns:
+        def gather_setup(ctx: DistContext, stack: contextlib.ExitStack, numel: int = numel) -> Fns:
             x = torch.ones(numel // ctx.world_size)
             outs = [torch.empty_like(x) for _ in range(ctx.world_size)]
             pg = ctx.world.device_group
@@ -49,7 +51,7 @@ def _sweep_cases() -> list[Case]:
                 "torch": lambda: dist.all_gather(outs, x, group=pg),
             }
 
-        def bcast_setup(ctx: DistContext, numel: int = numel) -> Fns:
+        def bcast_setup(ctx: DistContext, stack: contextlib.ExitStack, numel: int = numel) -> Fns:
             x = torch.ones(numel)
             buf = torch.ones(numel)
             pg = ctx.world.device_group
@@ -70,7 +72,7 @@ def _sweep_cases() -> list[Case]:
     return cases
 
 
-def _structured_a(ctx: DistContext) -> Fns:
+def _structured_a(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     """(a) one 128 MiB tensor with metadata vs a raw broadcast of the same bytes."""
     w = torch.ones(32 << 20)  # 128 MiB of float32
     payload = {"w": w, "meta": {"step": 1000, "name": "layer.0.weight", "shape": tuple(w.shape)}}
@@ -83,7 +85,7 @@ def _structured_a(ctx: DistContext) -> Fns:
     return {"pdist": ours, "raw_broadcast": lambda: dist.broadcast(raw, 0, group=pg)}
 
 
-def _structured_b(ctx: DistContext) -> Fns:
+def _structured_b(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     """(b) 1000 tensors of 64 KiB (a state-dict shape) vs one flat broadcast of the same bytes."""
     tensors = [torch.full((16 << 10,), float(i)) for i in range(1000)]
     flat = torch.ones(1000 * (16 << 10))
@@ -103,7 +105,7 @@ def _structured_b(ctx: DistContext) -> Fns:
     }
 
 
-def _structured_c(ctx: DistContext) -> Fns:
+def _structured_c(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     """(c) a tiny dict vs torch.distributed.broadcast_object_list."""
     obj = {"step": 3, "lr": 0.1}
     pg = ctx.world.cpu_group
@@ -117,7 +119,7 @@ def _structured_c(ctx: DistContext) -> Fns:
     return {"pdist": ours, "torch_broadcast_object_list": theirs}
 
 
-def _object_gather(ctx: DistContext) -> Fns:
+def _object_gather(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     """all_gather_object of a small dict vs torch.distributed.all_gather_object."""
     obj = {"rank": ctx.rank, "loss": 0.25, "tokens": list(range(32))}
     pg = ctx.world.cpu_group
@@ -132,7 +134,7 @@ def _object_gather(ctx: DistContext) -> Fns:
     }
 
 
-def _collate(ctx: DistContext) -> Fns:
+def _collate(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     """32 leaves of [~5000, 8] per rank, uneven by one, vs one raw all_gather of the bytes."""
     world = ctx.world_size
     size = 5000 * world - 1
@@ -147,8 +149,23 @@ def _collate(ctx: DistContext) -> Fns:
     pg = ctx.world.cpu_group
     return {
         "pdist": lambda: collate_batches(ctx, batches),
-        "raw_all_gather": lambda: dist.all_gather_into_tensor(out, mine, group=pg),
+        "raw_all_gather": lambda: all_gather_into(out, mine, pg),
     }
+
+
+def _message_queue(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+    """Back-to-back broadcasts of a small dict through shared memory vs torch's object broadcast."""
+    obj = {"step": 3, "lr": 0.1}
+    group = stack.enter_context(message_queue(ctx.world))
+    pg = ctx.world.cpu_group
+
+    def ours() -> None:
+        broadcast_object(group, obj if ctx.rank == 0 else None)
+
+    def theirs() -> None:
+        dist.broadcast_object_list([obj] if ctx.rank == 0 else [None], src=0, group=pg)
+
+    return {"pdist": ours, "torch_broadcast_object_list": theirs}
 
 
 def all_cases() -> list[Case]:
@@ -160,6 +177,7 @@ def all_cases() -> list[Case]:
         Case("structured broadcast (c) tiny dict", 32, _structured_c, 50),
         Case("all_gather_object small dict", 256, _object_gather, 50),
         Case("collate_batches 32 x [5000, 8]", 32 * 5000 * 8 * 4, _collate, 1),
+        Case("message_queue broadcast_object small dict", 32, _message_queue, 1000),
     ]
 
 

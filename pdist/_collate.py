@@ -25,7 +25,7 @@ from ._errors import PdistError, RankMismatchError
 from ._payload import cpu_buffer
 from ._serialize import TensorSpec
 
-__all__ = ["EvalSampler", "collate_batches"]
+__all__ = ["EvalSampler", "all_gather_into", "collate_batches"]
 
 _ALIGN = 64
 
@@ -217,7 +217,7 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     return _unflatten(spec, iter(_gather_leaves(g, local, leaf_specs, counts)))
 
 
-def _all_gather_into(out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup) -> None:
+def all_gather_into(out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup) -> None:
     # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, mine, group=pg)
@@ -264,7 +264,7 @@ def _gather_leaves(
         else:
             gathered = torch.empty(world * sizes[kind], dtype=torch.uint8, device=device)
         pg = g.cpu_group if kind == "cpu" else g.device_group
-        _all_gather_into(gathered, mine, pg)
+        all_gather_into(gathered, mine, pg)
         per_rank = gathered.view(world, sizes[kind])
         for i, offset, nbytes in entries:
             spec = leaf_specs[i]

@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from . import _env
 from ._context import DistContext
@@ -53,7 +54,7 @@ def _grace(seconds: float) -> float:
     return min(10.0, max(1.0, 0.05 * seconds))
 
 
-def _default_store() -> dist.Store | None:
+def _default_store() -> Store | None:
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -62,7 +63,7 @@ def _default_store() -> dist.Store | None:
         return None
 
 
-def _read_checkins(store: dist.Store, keys: list[str]) -> dict[int, str] | None:
+def _read_checkins(store: Store, keys: list[str]) -> dict[int, str] | None:
     """Which ranks checked in (rank -> host), read in a helper thread with a bounded wait.
 
     The main thread may be stuck inside the store, so the watchdog never waits on it.
@@ -80,7 +81,9 @@ def _read_checkins(store: dist.Store, keys: list[str]) -> dict[int, str] | None:
     return dict(found) if done.wait(_STORE_READ_SECONDS) else None
 
 
-def _abort(ctx: DistContext, seconds: float, store: dist.Store | None, keys: list[str], what: str) -> None:
+def _abort(
+    ctx: DistContext, seconds: float, store: Store | None, keys: list[str], what: str
+) -> None:
     checked = _read_checkins(store, keys) if store is not None else None
     host = socket.gethostname()
     if checked is None:
@@ -165,9 +168,8 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
                     f"{probe.item()}, expected {expected}; the communicator is broken"
                 )
                 raise PdistError(msg)
-        logger.info(
-            "pdist: world communicator of %d ranks built in %.2fs", ctx.world_size, time.monotonic() - start
-        )
+        took = time.monotonic() - start
+        logger.info("pdist: world communicator of %d ranks built in %.2fs", ctx.world_size, took)
         stage[0] = "the guarded block"
         yield
     finally:

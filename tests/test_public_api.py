@@ -54,6 +54,9 @@ PUBLIC = {
     "world_comm_guard",
     "world_comm_timeout",
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
+    # same host
+    "message_queue",
+    "graph_capture",
     # topology
     "same_node_ranks",
     "gpu_cpu_affinity",
