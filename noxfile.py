@@ -53,7 +53,7 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run the benchmark (pass e.g. -- --quick --json bench.json)."""
-    _install(session)
+    _install(session, "bench")
     session.run("python", "-m", "pdist", "bench", *session.posargs)
 
 

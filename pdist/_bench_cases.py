@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -116,7 +117,14 @@ def _structured_c(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     def theirs() -> None:
         dist.broadcast_object_list([obj] if ctx.rank == 0 else [None], src=0, group=pg)
 
-    return {"pdist": ours, "torch_broadcast_object_list": theirs}
+    return _with_torch_baseline(ours, "torch_broadcast_object_list", theirs)
+
+
+def _with_torch_baseline(ours: Callable[[], object], name: str, theirs: Callable[[], object]) -> Fns:
+    """``ours`` against a torch object collective, when numpy lets torch run it."""
+    if not _torch_objects_available():
+        return {"pdist": ours}
+    return {"pdist": ours, name: theirs}
 
 
 def _object_gather(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
@@ -165,7 +173,12 @@ def _message_queue(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     def theirs() -> None:
         dist.broadcast_object_list([obj] if ctx.rank == 0 else [None], src=0, group=pg)
 
-    return {"pdist": ours, "torch_broadcast_object_list": theirs}
+    return _with_torch_baseline(ours, "torch_broadcast_object_list", theirs)
+
+
+def _torch_objects_available() -> bool:
+    # torch's object collectives (the baselines of the object cases) need numpy; pdist does not.
+    return importlib.util.find_spec("numpy") is not None
 
 
 def all_cases() -> list[Case]:

@@ -1,1 +1,227 @@
-"""``python -m pdist doctor``: placeholder replaced below."""
+"""``python -m pdist doctor``: report the topology, then check every collective once."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._broadcast import broadcast_object_list
+from ._collate import EvalSampler, collate_batches
+from ._collectives import all_gather, all_reduce, all_to_all_4d, broadcast, gather, recv, reduce, send
+from ._context import DistContext, distributed
+from ._guard import world_comm_guard, world_comm_timeout
+from ._mq import message_queue
+from ._objects import all_gather_object, broadcast_object
+from ._ranks import barrier
+
+__all__ = ["doctor", "doctor_rank"]
+
+Check = tuple[str, Callable[[DistContext], None]]
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(what)
+
+
+def _check_all_reduce(ctx: DistContext) -> None:
+    out = all_reduce(ctx, torch.full((4,), float(ctx.rank + 1), device=ctx.device))
+    total = ctx.world_size * (ctx.world_size + 1) / 2
+    _expect(bool((out == total).all()), f"sum {out.tolist()} != {total}")
+
+
+def _check_all_gather(ctx: DistContext) -> None:
+    out = all_gather(ctx, torch.tensor([float(ctx.rank)], device=ctx.device), dim=0)
+    _expect(out.tolist() == [float(r) for r in range(ctx.world_size)], f"got {out.tolist()}")
+
+
+def _check_broadcast(ctx: DistContext) -> None:
+    x = torch.full((3,), float(ctx.rank), device=ctx.device)
+    broadcast(ctx, x, src=ctx.world_size - 1)
+    _expect(bool((x == ctx.world_size - 1).all()), f"got {x.tolist()}")
+
+
+def _check_reduce_gather(ctx: DistContext) -> None:
+    x = torch.tensor([float(ctx.rank)], device=ctx.device)
+    summed = reduce(ctx, x, dst=0, op="sum")
+    gathered = gather(ctx, x, dst=0, dim=0)
+    if ctx.rank == 0:
+        assert summed is not None
+        assert gathered is not None
+        _expect(summed.item() == sum(range(ctx.world_size)), f"reduce gave {summed.item()}")
+        _expect(gathered.tolist() == [float(r) for r in range(ctx.world_size)], "gather order")
+
+
+def _check_all_to_all(ctx: DistContext) -> None:
+    p = ctx.world_size
+    full = torch.arange(2 * p * p * 3, dtype=torch.float32).reshape(1, 2 * p, p, 3)
+    local = full[:, 2 * ctx.rank : 2 * ctx.rank + 2].to(ctx.device)
+    out = all_to_all_4d(ctx, local).cpu()
+    _expect(torch.equal(out, full[:, :, ctx.rank : ctx.rank + 1]), "all_to_all_4d layout")
+
+
+def _check_send_recv(ctx: DistContext) -> None:
+    if ctx.world_size == 1:
+        return
+    x = torch.full((2,), float(ctx.rank), device=ctx.device)
+    if ctx.rank == 0:
+        send(ctx, x)
+        got = recv(ctx, (2,), torch.float32)
+    else:
+        got = recv(ctx, (2,), torch.float32)
+        send(ctx, x)
+    _expect(bool((got == ctx.world.prev_rank).all()), f"ring gave {got.tolist()}")
+
+
+def _check_objects(ctx: DistContext) -> None:
+    obj = broadcast_object(ctx, {"from": ctx.rank, "t": torch.ones(2)} if ctx.rank == 0 else None)
+    _expect(obj["from"] == 0, "broadcast_object")
+    everyone = all_gather_object(ctx, ctx.rank)
+    _expect(everyone == list(range(ctx.world_size)), f"all_gather_object gave {everyone}")
+    items: list[Any] = [{"w": torch.arange(10.0)}] if ctx.rank == 0 else [None]
+    broadcast_object_list(ctx, items)
+    _expect(torch.equal(items[0]["w"].cpu(), torch.arange(10.0)), "broadcast_object_list")
+
+
+def _check_collate(ctx: DistContext) -> None:
+    size = 2 * ctx.world_size + 1
+    indices = list(EvalSampler(range(size), ctx))
+    batches = [torch.tensor(indices, device=ctx.device)] if indices else []
+    out = collate_batches(ctx, batches)
+    _expect(out is not None and out.tolist() == list(range(size)), "collate_batches order")
+
+
+def _check_message_queue(ctx: DistContext) -> None:
+    if ctx.node.world_size != ctx.world_size:
+        return  # needs one host
+    with message_queue(ctx, chunk_bytes=1 << 16, chunks=2) as group:
+        got = broadcast_object(group, {"step": 1} if ctx.rank == 0 else None)
+    _expect(got == {"step": 1}, "message_queue")
+
+
+CHECKS: list[Check] = [
+    ("all_reduce", _check_all_reduce),
+    ("all_gather", _check_all_gather),
+    ("broadcast", _check_broadcast),
+    ("reduce+gather", _check_reduce_gather),
+    ("all_to_all_4d", _check_all_to_all),
+    ("send/recv", _check_send_recv),
+    ("object collectives", _check_objects),
+    ("collate_batches", _check_collate),
+    ("message_queue", _check_message_queue),
+    ("barrier", barrier),
+]
+
+
+def _gpu_name(ctx: DistContext) -> str:
+    if ctx.device.type != "cuda":
+        return "-"
+    return torch.cuda.get_device_name(ctx.device)
+
+
+def doctor_rank() -> dict[str, Any]:
+    """Run the doctor on this rank; every rank returns the same report."""
+    with distributed() as ctx:
+        me = {
+            "rank": ctx.rank,
+            "host": socket.gethostname(),
+            "device": str(ctx.device),
+            "gpu": _gpu_name(ctx),
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+            "node": list(ctx.node.ranks),
+        }
+        results: list[tuple[str, str | None]] = []
+        with world_comm_guard(ctx):
+            for name, check in CHECKS:
+                try:
+                    check(ctx)
+                    results.append((name, None))
+                except Exception as exc:  # report, do not stop: the other ranks go on in step
+                    line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                    results.append((name, line))
+        ranks = all_gather_object(ctx, {"me": me, "results": results})
+        return {
+            "world_size": ctx.world_size,
+            "backend": ctx.backend,
+            "timeout": ctx.world.timeout.total_seconds(),
+            "subgroup_timeout": ctx.tp.timeout.total_seconds(),
+            "guard_timeout": world_comm_timeout(),
+            "ranks": ranks,
+        }
+
+
+def _cpus(cpus: list[int]) -> str:
+    if not cpus:
+        return "-"
+    spans, start, prev = [], cpus[0], cpus[0]
+    for c in [*cpus[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(spans)
+
+
+def render(report: dict[str, Any]) -> tuple[str, int]:
+    """The text report and the exit code (0 healthy, 1 a check failed)."""
+    ranks = report["ranks"]
+    hosts = sorted({tuple(r["me"]["node"]) for r in ranks})
+    guard = report["guard_timeout"]
+    lines = [
+        f"pdist doctor: {report['world_size']} ranks on {len(hosts)} host(s), "
+        f"{len(hosts[0]) if hosts else 0} per host; backend {report['backend']}",
+        f"timeouts: collective {report['timeout']:g}s, subgroup {report['subgroup_timeout']:g}s, "
+        f"start-up guard {'forever' if guard is None else f'{guard:g}s'}"
+        f" (PDIST_TIMEOUT_SEC={os.environ.get('PDIST_TIMEOUT_SEC', '-')}, "
+        f"PDIST_WORLD_COMM_TIMEOUT_SEC={os.environ.get('PDIST_WORLD_COMM_TIMEOUT_SEC', '-')})",
+        f"{'rank':>4}  {'host':<20} {'node ranks':<14} {'device':<8} {'gpu':<24} cpus",
+    ]
+    for r in ranks:
+        me = r["me"]
+        lines.append(
+            f"{me['rank']:>4}  {me['host'][:20]:<20} {str(me['node'])[:14]:<14} "
+            f"{me['device']:<8} {me['gpu'][:24]:<24} {_cpus(me['cpus'])}"
+        )
+    failures: dict[str, list[tuple[int, str]]] = {}
+    for name, _ in CHECKS:
+        for r in ranks:
+            detail = dict(r["results"]).get(name)
+            if detail is not None:
+                failures.setdefault(name, []).append((r["me"]["rank"], detail))
+        status = "FAILED" if name in failures else "ok"
+        lines.append(f"check {name:<20} {status}")
+    if failures:
+        name, bad = next(iter(failures.items()))
+        lines.append(
+            f"verdict: UNHEALTHY: check {name!r} failed on ranks {[b[0] for b in bad]}: {bad[0][1]}"
+        )
+        return "\n".join(lines), 1
+    lines.append(f"verdict: healthy ({len(CHECKS)} checks passed on {report['world_size']} ranks)")
+    return "\n".join(lines), 0
+
+
+def doctor(nproc: int | None) -> int:
+    """Run the doctor under torchrun (every rank) or on ``nproc`` spawned local ranks."""
+    if "RANK" in os.environ and nproc is None:
+        report = doctor_rank()
+        if os.environ.get("RANK") != "0":
+            return 0 if render(report)[1] == 0 else 1
+    else:
+        from .testing import SpawnError, spawn
+
+        try:
+            report = spawn(doctor_rank, nproc or 2, timeout=600)[0]
+        except SpawnError as exc:
+            print(f"pdist doctor: UNHEALTHY: {exc}")
+            return 1
+    text, code = render(report)
+    print(text)
+    return code
+

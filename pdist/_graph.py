@@ -41,7 +41,7 @@ def graph_capture(group: Group | DistContext, stream: Any = None) -> Iterator[Gr
     if g.device.type != "cuda":
         yield GraphCaptureContext(stream=None)
         return
-    side = stream if stream is not None else torch.cuda.Stream(device=g.device)
+    side = stream if stream is not None else torch.cuda.Stream(device=g.device)  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream(g.device))
     with torch.cuda.stream(side):
         yield GraphCaptureContext(stream=side)

@@ -208,7 +208,7 @@ def message_queue(
     readers = g.world_size - 1
     size = _Ring.size(readers, chunk_bytes, chunks)
     path = None
-    name = b""
+    segment = b""
     if g.is_first_rank:
         path = os.path.join(_shm_dir(), f"pdist-mq-{uuid.uuid4().hex}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -217,11 +217,11 @@ def message_queue(
             region = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        name = path.encode()
+        segment = path.encode()
     try:
-        name = _wire.broadcast_bytes(g, name, 0, what="message_queue")
+        segment = _wire.broadcast_bytes(g, segment, 0, what="message_queue")
         if path is None:
-            fd = os.open(name.decode(), os.O_RDWR)
+            fd = os.open(segment.decode(), os.O_RDWR)
             try:
                 region = mmap.mmap(fd, size)
             finally:
