@@ -1,6 +1,6 @@
 """Load a checkpoint on rank 0 only, then give every rank the same weights with sync_model_states.
 
-    torchrun --nproc-per-node 2 examples/checkpoint_sync.py
+torchrun --nproc-per-node 2 examples/checkpoint_sync.py
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def main() -> None:
         model = build()
         load_checkpoint(ctx, model, path)  # only rank 0 reads the file
         pdist.sync_model_states(ctx, model, src=0)
-        checksum = sum(t.double().sum().item() for t in model.state_dict().values() if t.is_floating_point())
+        checksum = sum(
+            t.double().sum().item() for t in model.state_dict().values() if t.is_floating_point()
+        )
         checksums = pdist.all_gather_object(ctx, checksum)
         assert len(set(checksums)) == 1, checksums
         pdist.barrier(ctx)

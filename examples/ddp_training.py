@@ -1,6 +1,6 @@
 """DDP training with gradient accumulation (grad_sync) and exact evaluation (EvalSampler).
 
-    torchrun --nproc-per-node 2 examples/ddp_training.py
+torchrun --nproc-per-node 2 examples/ddp_training.py
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def main() -> None:
         model = pdist.wrap_ddp(ctx, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         train = make_data(512, seed=1)
-        sampler = torch.utils.data.DistributedSampler(train, num_replicas=ctx.dp.world_size, rank=ctx.dp.rank_in_group)
+        sampler = torch.utils.data.DistributedSampler(
+            train, num_replicas=ctx.dp.world_size, rank=ctx.dp.rank_in_group
+        )
         loader = DataLoader(train, batch_size=16, sampler=sampler)
         for epoch in range(10):
             sampler.set_epoch(epoch)

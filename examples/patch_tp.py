@@ -1,6 +1,6 @@
 """Two models with different tensor-parallel degrees in one job, through patch_tp.
 
-    torchrun --nproc-per-node 2 examples/patch_tp.py
+torchrun --nproc-per-node 2 examples/patch_tp.py
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(pdist.shard(self.tp, weight, dim=0, scale_grad=False).detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Local slice of the output columns, then gathered over tp."""
         return pdist.all_gather(self.tp, x @ self.weight.T, dim=-1)  # [N, out]
 
 

@@ -1,12 +1,12 @@
 """Sequence-parallel (Ulysses) attention with all_to_all_4d, checked against one-rank attention.
 
-    torchrun --nproc-per-node 2 examples/sequence_parallel.py
+torchrun --nproc-per-node 2 examples/sequence_parallel.py
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 import pdist
 
@@ -15,7 +15,9 @@ B, S, H, D = 2, 16, 4, 8  # batch, sequence, heads, head dim
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # [B, S, H, D] in and out; SDPA wants heads before the sequence.
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out = functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    )
     return out.transpose(1, 2)
 
 
@@ -36,7 +38,10 @@ def main() -> None:
         assert error < 1e-5, error
         worst = pdist.all_reduce(sp, torch.tensor([error]), op="max").item()
         if pdist.is_rank0(ctx):
-            print(f"sequence-parallel attention over {p} ranks matches one rank (max error {worst:.2e})")
+            print(
+                f"sequence-parallel attention over {p} ranks matches one rank "
+                f"(max error {worst:.2e})"
+            )
 
 
 if __name__ == "__main__":

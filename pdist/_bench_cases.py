@@ -120,7 +120,9 @@ def _structured_c(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     return _with_torch_baseline(ours, "torch_broadcast_object_list", theirs)
 
 
-def _with_torch_baseline(ours: Callable[[], object], name: str, theirs: Callable[[], object]) -> Fns:
+def _with_torch_baseline(
+    ours: Callable[[], object], name: str, theirs: Callable[[], object]
+) -> Fns:
     """``ours`` against a torch object collective, when numpy lets torch run it."""
     if not _torch_objects_available():
         return {"pdist": ours}

@@ -12,7 +12,16 @@ import torch
 
 from ._broadcast import broadcast_object_list
 from ._collate import EvalSampler, collate_batches
-from ._collectives import all_gather, all_reduce, all_to_all_4d, broadcast, gather, recv, reduce, send
+from ._collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all_4d,
+    broadcast,
+    gather,
+    recv,
+    reduce,
+    send,
+)
 from ._context import DistContext, distributed
 from ._guard import world_comm_guard, world_comm_timeout
 from ._mq import message_queue
@@ -224,4 +233,3 @@ def doctor(nproc: int | None) -> int:
     text, code = render(report)
     print(text)
     return code
-

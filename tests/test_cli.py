@@ -24,7 +24,10 @@ def test_doctor_names_the_failing_check():
     """A failed check makes the verdict unhealthy, naming the check and ranks; exit code 1."""
     me = {"rank": 0, "host": "h", "device": "cpu", "gpu": "-", "cpus": [0, 1, 2, 5], "node": [0, 1]}
     ok = [(name, None) for name, _ in _doctor.CHECKS]
-    bad = [(name, "AssertionError: got [1.0]" if name == "all_gather" else None) for name, _ in _doctor.CHECKS]
+    bad = [
+        (name, "AssertionError: got [1.0]" if name == "all_gather" else None)
+        for name, _ in _doctor.CHECKS
+    ]
     report = {
         "world_size": 2,
         "backend": "gloo",
@@ -36,7 +39,10 @@ def test_doctor_names_the_failing_check():
     text, code = _doctor.render(report)
     assert code == 1
     assert "check all_gather           FAILED" in text
-    assert "verdict: UNHEALTHY: check 'all_gather' failed on ranks [1]: AssertionError: got [1.0]" in text
+    assert (
+        "verdict: UNHEALTHY: check 'all_gather' failed on ranks [1]: AssertionError: got [1.0]"
+        in text
+    )
     assert "0-2,5" in text
     assert "start-up guard forever" in text
 

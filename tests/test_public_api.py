@@ -114,5 +114,7 @@ print("ok")
 
 def test_object_transport_needs_no_numpy():
     """pdist's object encoding works where numpy cannot be imported."""
-    out = subprocess.run([sys.executable, "-c", NO_NUMPY], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", NO_NUMPY], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "ok"
