@@ -29,48 +29,53 @@ def _label(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def _sweep_cases() -> list[Case]:
-    cases = []
-    for nbytes, quick in _SIZES:
-        numel = nbytes // 4
+def _sweep_setup(op: str, numel: int) -> Callable[[DistContext, contextlib.ExitStack], Fns]:
+    """Time pdist's ``op`` against torch's on the same tensors (``numel`` elements in all)."""
 
-        def reduce_setup(ctx: DistContext, stack: contextlib.ExitStack, numel: int = numel) -> Fns:
-            x = torch.ones(numel)
-            buf = torch.ones(numel)
-            pg = ctx.world.device_group
-            return {
-                "pdist": lambda: all_reduce(ctx, x),
-                "torch": lambda: dist.all_reduce(buf, group=pg),
-            }
-
-        def gather_setup(ctx: DistContext, stack: contextlib.ExitStack, numel: int = numel) -> Fns:
-            x = torch.ones(numel // ctx.world_size)
+    def setup(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+        pg = ctx.world.device_group
+        if op == "all_gather":
+            x = torch.ones(numel // ctx.world_size)  # every rank's part of the output
             outs = [torch.empty_like(x) for _ in range(ctx.world_size)]
-            pg = ctx.world.device_group
             return {
                 "pdist": lambda: all_gather(ctx, x, dim=0),
                 "torch": lambda: dist.all_gather(outs, x, group=pg),
             }
-
-        def bcast_setup(ctx: DistContext, stack: contextlib.ExitStack, numel: int = numel) -> Fns:
-            x = torch.ones(numel)
-            buf = torch.ones(numel)
-            pg = ctx.world.device_group
+        x, buf = torch.ones(numel), torch.ones(numel)
+        if op == "all_reduce":
             return {
-                "pdist": lambda: broadcast(ctx, x),
-                "torch": lambda: dist.broadcast(buf, 0, group=pg),
+                "pdist": lambda: all_reduce(ctx, x),
+                "torch": lambda: dist.all_reduce(buf, group=pg),
             }
+        return {
+            "pdist": lambda: broadcast(ctx, x),
+            "torch": lambda: dist.broadcast(buf, 0, group=pg),
+        }
 
-        inner = 20 if nbytes <= 64 << 10 else 3
-        label = _label(nbytes)
-        cases += [
-            Case(
-                f"all_reduce {label}", nbytes, reduce_setup, inner, lambda n: 2 * (n - 1) / n, quick
-            ),
-            Case(f"all_gather {label}", nbytes, gather_setup, inner, lambda n: (n - 1) / n, quick),
-            Case(f"broadcast {label}", nbytes, bcast_setup, inner, lambda n: 1.0, quick),
-        ]
-    return cases
+    return setup
+
+
+# nccl-tests' bus bandwidth factors: the bytes each link carries relative to the message.
+_BUSBW: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def _sweep_cases() -> list[Case]:
+    return [
+        Case(
+            f"{op} {_label(nbytes)}",
+            nbytes,
+            _sweep_setup(op, nbytes // 4),
+            inner=20 if nbytes <= 64 << 10 else 3,
+            busbw_factor=factor,
+            quick=quick,
+        )
+        for nbytes, quick in _SIZES
+        for op, factor in _BUSBW.items()
+    ]
 
 
 def _structured_a(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
