@@ -23,7 +23,7 @@ from . import _wire
 from ._context import DistContext, Group, as_group
 from ._errors import PdistError, RankMismatchError
 from ._payload import cpu_buffer
-from ._serialize import TensorSpec
+from ._serialize import TensorSpec, dtype_name
 
 __all__ = ["EvalSampler", "all_gather_into", "collate_batches"]
 
@@ -202,10 +202,7 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
         error = None
     except (TypeError, ValueError) as exc:
         spec, names, local, error = None, [], [], str(exc)
-    leaves = [
-        (str(c[0].dtype).removeprefix("torch."), tuple(c[0].shape[1:]), c[0].device.type)
-        for c in local
-    ]
+    leaves = [(dtype_name(c[0].dtype), tuple(c[0].shape[1:]), c[0].device.type) for c in local]
     count = sum(t.shape[0] for t in local[0]) if local else 0
     record = (error, spec, names, leaves, count)
     records = [record] if g.world_size == 1 else _wire.exchange(g, record, what="collate_batches")

@@ -27,6 +27,7 @@ from ._guard import world_comm_guard, world_comm_timeout
 from ._mq import message_queue
 from ._objects import all_gather_object, broadcast_object
 from ._ranks import barrier
+from ._topology import _nvml_device_id
 
 __all__ = ["doctor", "doctor_rank"]
 
@@ -128,9 +129,25 @@ CHECKS: list[Check] = [
 
 
 def _gpu_name(ctx: DistContext) -> str:
-    if ctx.device.type != "cuda":
+    """The GPU's name from NVML (through CUDA_VISIBLE_DEVICES), else from torch."""
+    if ctx.device.type != "cuda" or ctx.device.index is None:
         return "-"
-    return torch.cuda.get_device_name(ctx.device)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            ident = _nvml_device_id(ctx.device.index, os.environ)
+            if isinstance(ident, int):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(ident)
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
+            name = pynvml.nvmlDeviceGetName(handle)
+            return name.decode() if isinstance(name, bytes) else str(name)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML: torch knows the name too
+        return torch.cuda.get_device_name(ctx.device)
 
 
 def doctor_rank() -> dict[str, Any]:

@@ -19,7 +19,17 @@ import torch
 
 from ._errors import PdistError
 
-__all__ = ["PROTOCOL", "Safe", "TensorSpec", "dumps", "loads", "spec_of", "tensor_bytes"]
+__all__ = [
+    "PROTOCOL",
+    "Safe",
+    "TensorSpec",
+    "dtype_name",
+    "dumps",
+    "loads",
+    "rebuild",
+    "spec_of",
+    "tensor_bytes",
+]
 
 PROTOCOL = 2
 
@@ -31,6 +41,11 @@ _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 _NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``: how dtypes travel in pdist's metadata."""
+    return _NAMES[dtype]
 
 
 class TensorSpec(NamedTuple):

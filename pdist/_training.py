@@ -18,6 +18,7 @@ from ._broadcast import DEFAULT_BUCKET_BYTES
 from ._context import DistContext, Group, as_group
 from ._errors import RankMismatchError
 from ._payload import Fill
+from ._serialize import dtype_name
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
 
@@ -238,7 +239,7 @@ def sync_model_states(
     states = _states(model, ignore, broadcast_buffers)
     if g.world_size == 1:
         return
-    entries = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in states]
+    entries = [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in states]
     digest = hashlib.sha256(repr(entries).encode()).hexdigest()
     digests = _wire.exchange(g, digest, what="sync_model_states")
     if len(set(digests)) > 1:

@@ -1,0 +1,76 @@
+"""CUDA/NCCL paths: the same code as on CPU, with a device. Skipped without GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdist
+from pdist.testing import spawn
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _one_rank() -> tuple[str, str, bool]:
+    with pdist.distributed() as ctx:
+        x = pdist.all_reduce(ctx, torch.ones(2, device=ctx.device))
+        return ctx.backend, str(ctx.device), bool(x.is_cuda)
+
+
+def test_nccl_one_rank_world():
+    """On a GPU, distributed() binds cuda:<local_rank> and picks NCCL."""
+    assert spawn(_one_rank, 1) == [("nccl", "cuda:0", True)]
+
+
+def _multi_rank() -> list[object]:
+    with pdist.distributed() as ctx:
+        out: list[object] = []
+        x = torch.full((4,), float(ctx.rank + 1), device=ctx.device)
+        out.append(pdist.all_reduce(ctx, x).tolist())
+        out.append(pdist.all_gather(ctx, x[:1], dim=0).tolist())
+        # A CUDA tensor from the source lands on the receiver's own device.
+        obj = pdist.broadcast_object(
+            ctx, {"t": torch.ones(3, device=ctx.device)} if ctx.rank == 0 else None
+        )
+        out.append(str(obj["t"].device))
+        items = (
+            [{"w": torch.arange(5000.0, device=ctx.device), "c": torch.ones(2)}]
+            if ctx.rank == 0
+            else [None]
+        )
+        pdist.broadcast_object_list(ctx, items)
+        out.append(
+            (str(items[0]["w"].device), str(items[0]["c"].device), items[0]["w"].sum().item())
+        )
+        td = pdist.broadcast_tensor_dict(
+            ctx, {"a": torch.ones(8, device=ctx.device)} if ctx.rank == 0 else None
+        )
+        out.append(str(td["a"].device))
+        batches = [torch.tensor([ctx.rank], device=ctx.device)]
+        out.append(pdist.collate_batches(ctx, batches).tolist())
+        with pdist.world_comm_guard(ctx, timeout=120):
+            pass
+        with pdist.graph_capture(ctx) as capture:
+            out.append(capture.stream is not None)
+        return out
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+def test_nccl_collectives_and_objects():
+    """Collectives, objects and collate over NCCL; tensors land on the receiver's GPU."""
+    results = spawn(_multi_rank, 2, timeout=300)
+    for rank, out in enumerate(results):
+        assert out[0] == [3.0] * 4
+        assert out[1] == [1.0, 2.0]
+        assert out[2] == f"cuda:{rank}"
+        assert out[3] == (f"cuda:{rank}", "cpu", sum(range(5000)))
+        assert out[4] == f"cuda:{rank}"
+        assert out[5] == [0, 1]
+        assert out[6] is True
