@@ -84,3 +84,22 @@ def test_bad_world_size():
     """world_size must be a positive int."""
     with pytest.raises(ValueError, match="world_size=0 must be a positive int"):
         spawn(_rank_and_pid, 0)
+
+
+def _leak_a_group() -> bool:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.is_initialized()
+
+
+def _is_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+def test_a_leaked_process_group_does_not_reach_the_next_job():
+    """Workers are reused, so a group a job leaves initialized is destroyed after it."""
+    assert spawn(_leak_a_group, 2) == [True, True]
+    assert spawn(_is_initialized, 2) == [False, False]
