@@ -64,7 +64,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .testing import spawn
 
         nproc = args.nproc or 2
-        records = spawn(_bench_rank, nproc, args.quick, True, timeout=3600)[0]
+        records = spawn(_bench_rank, nproc, args.quick, True, timeout=3600, capture_output=False)[0]
     world = records[0]["world_size"] if records else 0
     print(f"pdist bench: {world} ranks, {'quick' if args.quick else 'full'} run")
     print(_format(records))

@@ -12,11 +12,12 @@ import torch.distributed as dist
 
 from ._bench import Case, run_cases
 from ._broadcast import broadcast_object_list
-from ._collate import all_gather_into, collate_batches
+from ._collate import collate_batches
 from ._collectives import all_gather, all_reduce, broadcast
 from ._context import DistContext, distributed
 from ._mq import message_queue
 from ._objects import all_gather_object, broadcast_object
+from ._wire import all_gather_into
 
 __all__ = ["all_cases", "bench_rank"]
 

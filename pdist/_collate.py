@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from . import _wire
@@ -24,8 +23,9 @@ from ._context import DistContext, Group, as_group
 from ._errors import PdistError, RankMismatchError
 from ._payload import cpu_buffer
 from ._serialize import TensorSpec, dtype_name
+from ._wire import all_gather_into
 
-__all__ = ["EvalSampler", "all_gather_into", "collate_batches"]
+__all__ = ["EvalSampler", "collate_batches"]
 
 _ALIGN = 64
 
@@ -212,12 +212,6 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     if g.world_size == 1:
         return _unflatten(spec, iter(torch.cat(c) if len(c) > 1 else c[0] for c in local))
     return _unflatten(spec, iter(_gather_leaves(g, local, leaf_specs, counts)))
-
-
-def all_gather_into(out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=pg)
 
 
 def _device(g: Group, spec: TensorSpec) -> torch.device:

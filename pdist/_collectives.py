@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ._context import DistContext, Group, as_group
+from ._wire import all_gather_into
 
 __all__ = [
     "all_gather",
@@ -108,9 +109,11 @@ def _all_gather_impl(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:
         fc = _funcol()
         out = fc.all_gather_tensor(x, dim, group.device_group)
         return cast("torch.Tensor", fc.wait_tensor(out))
-    outs = [torch.empty_like(x) for _ in group.ranks]
-    dist.all_gather(outs, x, group=group.device_group)
-    return torch.cat(outs, dim=dim)
+    flat = x.new_empty(group.world_size * x.numel())
+    all_gather_into(flat, x.view(-1), group.device_group)
+    if dim == 0:
+        return flat.view(group.world_size * x.shape[0], *x.shape[1:])  # rank-major: no copy
+    return torch.cat(flat.view(group.world_size, *x.shape).unbind(0), dim=dim)
 
 
 def _reduce_scatter_impl(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -243,7 +243,7 @@ def doctor(nproc: int | None) -> int:
         from .testing import SpawnError, spawn
 
         try:
-            report = spawn(doctor_rank, nproc or 2, timeout=600)[0]
+            report = spawn(doctor_rank, nproc or 2, timeout=600, capture_output=False)[0]
         except SpawnError as exc:
             print(f"pdist doctor: UNHEALTHY: {exc}")
             return 1

@@ -26,6 +26,7 @@ __all__ = [
     "FIRST_MESSAGE_BYTES",
     "RemoteError",
     "all_gather_bytes",
+    "all_gather_into",
     "broadcast_bytes",
     "bytes_of",
     "exchange",
@@ -61,6 +62,13 @@ def bytes_of(t: torch.Tensor, n: int | None = None, offset: int = 0) -> bytes:
     if count <= 0:
         return b""
     return ctypes.string_at(t.data_ptr() + offset, count)
+
+
+def all_gather_into(out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup) -> None:
+    """All-gather ``mine`` from every rank into the contiguous ``out`` (rank-major)."""
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=pg)
 
 
 def _frame(payload: bytes | None, error: BaseException | None, rank: int) -> bytes:

@@ -89,13 +89,15 @@ def _worker_main(conn: Connection, rank: int) -> None:
         os.environ.clear()
         os.environ.update(base_env)
         os.environ.update(env)
-        with open(log_path, "w") as log:
+        # Without a log path the rank writes to the inherited stdout/stderr as it runs.
+        with open(log_path or os.devnull, "w") as log:
             sys.stdout.flush()
             sys.stderr.flush()
             saved = os.dup(1), os.dup(2)
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+            if log_path:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
             try:
                 fn, args = pickle.loads(payload)
                 result: tuple[str, Any] = ("ok", fn(*args))
@@ -196,6 +198,7 @@ def spawn(
     world_size: int,
     *args: Any,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
+    capture_output: bool = True,
 ) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
 
@@ -212,6 +215,9 @@ def spawn(
         world_size: Number of ranks (>= 1).
         *args: Arguments passed to ``fn`` on every rank.
         timeout: Seconds (or ``timedelta``) for the whole run.
+        capture_output: Collect each rank's output and echo it after the run (and
+            into a failure's message); False lets ranks write to this process's
+            stdout/stderr as they run (for command-line tools).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
@@ -247,7 +253,7 @@ def spawn(
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0",
         }
-        conn.send((logs[rank], env, list(sys.path), payload))
+        conn.send((logs[rank] if capture_output else "", env, list(sys.path), payload))
     try:
         return _collect(pool, logs, seconds)
     finally:
