@@ -219,6 +219,23 @@ def _device(g: Group, spec: TensorSpec) -> torch.device:
     return torch.device("cpu") if spec.device_type == "cpu" else g.device
 
 
+_PIPELINE_MIN_BYTES = 1 << 20
+
+
+def _split_in_two(entries: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Two runs of leaves of about equal bytes (one when small): the second run's transfer
+    overlaps the first run's unpacking."""
+    total = sum(e[2] for e in entries)
+    if total < _PIPELINE_MIN_BYTES or len(entries) < 2:
+        return [entries]
+    running = 0
+    for cut, entry in enumerate(entries, 1):
+        running += entry[2]
+        if running * 2 >= total:
+            break
+    return [entries[:cut], entries[cut:]] if cut < len(entries) else [entries]
+
+
 def _gather_leaves(
     g: Group, local: list[list[torch.Tensor]], leaf_specs: list[TensorSpec], counts: list[int]
 ) -> list[torch.Tensor]:
@@ -227,37 +244,41 @@ def _gather_leaves(
         return [
             torch.empty(0, *s.shape, dtype=s.torch_dtype, device=_device(g, s)) for s in leaf_specs
         ]
-    rows = max(counts)  # every rank sends `rows` samples per leaf, zero-padded
-    layout: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(
-        list
-    )  # leaf, offset, bytes
-    sizes: dict[str, int] = collections.defaultdict(int)
+    rows = max(counts)  # every rank sends `rows` samples per leaf, padded
+    count = counts[g.rank_in_group]
+    by_kind: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
     for i, spec in enumerate(leaf_specs):
         kind = "cpu" if _device(g, spec).type == "cpu" else "device"
-        row_bytes = spec.nbytes  # bytes of one sample (shape is the trailing shape)
-        offset = sizes[kind]
-        layout[kind].append((i, offset, rows * row_bytes))
-        sizes[kind] = offset + (rows * row_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        by_kind[kind].append((i, 0, rows * spec.nbytes))  # leaf, offset (set below), bytes
     out: list[torch.Tensor | None] = [None] * len(leaf_specs)
-    for kind, entries in layout.items():
+    pending = []
+    for kind, kind_entries in by_kind.items():
         device = torch.device("cpu") if kind == "cpu" else g.device
-        # Padding rows and alignment gaps are never read back, so they stay uninitialized.
-        mine = torch.empty(sizes[kind], dtype=torch.uint8, device=device)
-        count = counts[g.rank_in_group]
-        for i, offset, _ in entries:
-            if count:
-                spec = leaf_specs[i]
-                start = mine[offset : offset + count * spec.nbytes].view(spec.torch_dtype)
-                # All of this rank's batches straight into place: one copy.
-                torch.cat(local[i], out=start.view(count, *spec.shape))
-        if kind == "cpu":
-            gathered = cpu_buffer(world * sizes[kind])
-        else:
-            gathered = torch.empty(world * sizes[kind], dtype=torch.uint8, device=device)
         pg = g.cpu_group if kind == "cpu" else g.device_group
-        all_gather_into(gathered, mine, pg)
-        per_rank = gathered.view(world, sizes[kind])
-        for i, offset, nbytes in entries:
+        for run in _split_in_two(kind_entries):
+            placed, size = [], 0
+            for i, _, nbytes in run:
+                placed.append((i, size, nbytes))
+                size += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            # Padding rows and alignment gaps are never read back: left uninitialized.
+            mine = torch.empty(size, dtype=torch.uint8, device=device)
+            for i, offset, _ in placed:
+                if count:
+                    spec = leaf_specs[i]
+                    start = mine[offset : offset + count * spec.nbytes].view(spec.torch_dtype)
+                    # All of this rank's batches straight into place: one copy.
+                    torch.cat(local[i], out=start.view(count, *spec.shape))
+            gathered = (
+                cpu_buffer(world * size)
+                if kind == "cpu"
+                else torch.empty(world * size, dtype=torch.uint8, device=device)
+            )
+            work = all_gather_into(gathered, mine, pg, async_op=True)
+            pending.append((work, gathered, size, placed))
+    for work, gathered, size, placed in pending:
+        work.wait()
+        per_rank = gathered.view(world, size)
+        for i, offset, nbytes in placed:
             spec = leaf_specs[i]
             block = per_rank[:, offset : offset + nbytes].view(spec.torch_dtype)  # [W, rows * row]
             typed = block.view(world, rows, *spec.shape)  # [W, rows, *trailing]

@@ -64,11 +64,16 @@ def bytes_of(t: torch.Tensor, n: int | None = None, offset: int = 0) -> bytes:
     return ctypes.string_at(t.data_ptr() + offset, count)
 
 
-def all_gather_into(out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup) -> None:
-    """All-gather ``mine`` from every rank into the contiguous ``out`` (rank-major)."""
+def all_gather_into(
+    out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool = False
+) -> Any:
+    """All-gather ``mine`` from every rank into the contiguous ``out`` (rank-major).
+
+    Returns the work handle when ``async_op``.
+    """
     # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=pg)
+    return gather(out, mine, group=pg, async_op=async_op)
 
 
 def _frame(payload: bytes | None, error: BaseException | None, rank: int) -> bytes:
