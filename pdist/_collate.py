@@ -223,15 +223,18 @@ _PIPELINE_MIN_BYTES = 1 << 20
 
 
 def _split_in_two(entries: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Two runs of leaves of about equal bytes (one when small): the second run's transfer
-    overlaps the first run's unpacking."""
+    """Two runs of leaves of about equal bytes (one run when small).
+
+    The second run's transfer then overlaps the first run's unpacking.
+    """
     total = sum(e[2] for e in entries)
     if total < _PIPELINE_MIN_BYTES or len(entries) < 2:
         return [entries]
-    running = 0
-    for cut, entry in enumerate(entries, 1):
+    running, cut = 0, len(entries)
+    for index, entry in enumerate(entries, 1):
         running += entry[2]
         if running * 2 >= total:
+            cut = index
             break
     return [entries[:cut], entries[cut:]] if cut < len(entries) else [entries]
 
