@@ -128,3 +128,24 @@ def test_bad_batches_argument(ctx):
     """batches must be a list."""
     with pytest.raises(TypeError, match="batches must be a list"):
         pdist.collate_batches(ctx, torch.zeros(3))
+
+
+@world_sizes(2, 3)
+def test_large_outputs_take_the_pipelined_path(ctx):
+    """Leaves above 1 MiB in all travel in two overlapped gathers; order is still restored."""
+    size = 3001
+    sampler = pdist.EvalSampler(range(size), ctx)
+    indices = torch.tensor(list(sampler))
+    batches = [
+        {f"leaf{k}": (chunk.float().unsqueeze(1) + k).repeat(1, 64) for k in range(6)}
+        | {"index": chunk}
+        for chunk in indices.split(400)
+    ]
+    with count_collectives() as calls:
+        out = pdist.collate_batches(ctx, batches)
+    assert sum(calls.values()) == 3  # metadata + two pipelined gathers
+    assert torch.equal(out["index"], torch.arange(size))
+    for k in range(6):
+        assert torch.equal(
+            out[f"leaf{k}"], (torch.arange(size).float().unsqueeze(1) + k).repeat(1, 64)
+        )
