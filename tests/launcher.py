@@ -102,3 +102,9 @@ def run_ranks(
         results.append(RankResult(rank, rc, output, ended.get(rank, float("inf"))))
     del store
     return results
+
+
+def raised_after(output: str) -> float:
+    """The seconds a rank printed as ``RAISED after <s>s``."""
+    assert "RAISED after" in output, output
+    return float(output.split("RAISED after ")[1].split("s")[0])
