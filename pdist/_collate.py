@@ -21,7 +21,7 @@ from torch.utils.data import Sampler
 from . import _wire
 from ._context import DistContext, Group, as_group
 from ._errors import PdistError, RankMismatchError
-from ._payload import cpu_buffer
+from ._payload import buffer
 from ._serialize import TensorSpec, dtype_name
 from ._wire import all_gather_into
 
@@ -271,11 +271,7 @@ def _gather_leaves(
                     start = mine[offset : offset + count * spec.nbytes].view(spec.torch_dtype)
                     # All of this rank's batches straight into place: one copy.
                     torch.cat(local[i], out=start.view(count, *spec.shape))
-            gathered = (
-                cpu_buffer(world * size)
-                if kind == "cpu"
-                else torch.empty(world * size, dtype=torch.uint8, device=device)
-            )
+            gathered = buffer(world * size, device)
             work = all_gather_into(gathered, mine, pg, async_op=True)
             pending.append((work, gathered, size, placed))
     for work, gathered, size, placed in pending:

@@ -25,6 +25,7 @@ __all__ = [
     "all_to_all_4d",
     "broadcast",
     "gather",
+    "peer_index",
     "recv",
     "reduce",
     "send",
@@ -396,11 +397,19 @@ def shard(
     return x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous()
 
 
-def _peer(g: Group, index: int | None, default: int, name: str) -> int:
+def peer_index(g: Group, index: int | None, default_global: int, name: str) -> int:
+    """The group index of a point-to-point peer: ``index``, or ``default_global``'s.
+
+    Raises:
+        ValueError: The group has one rank, or ``index`` is outside it.
+    """
     if g.world_size == 1:
         msg = f"point-to-point {name} needs a group of at least 2 ranks; group {g.name!r} has 1"
         raise ValueError(msg)
-    return default if index is None else g.global_rank(index, name=name)
+    if index is None:
+        return g.ranks.index(default_global)
+    g.global_rank(index, name=name)
+    return index
 
 
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
@@ -410,7 +419,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     """
     g = as_group(group)
     _check_tensor(x)
-    peer = _peer(g, dst, g.next_rank, "dst")
+    peer = g.ranks[peer_index(g, dst, g.next_rank, "dst")]
     dist.send(x.detach().contiguous(), dst=peer, group=g.device_group)
 
 
@@ -426,7 +435,7 @@ def recv(
         A new tensor on the group's device.
     """
     g = as_group(group)
-    peer = _peer(g, src, g.prev_rank, "src")
+    peer = g.ranks[peer_index(g, src, g.prev_rank, "src")]
     out = torch.empty(tuple(shape), dtype=dtype, device=g.device)
     dist.recv(out, src=peer, group=g.device_group)
     return out

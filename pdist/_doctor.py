@@ -23,11 +23,12 @@ from ._collectives import (
     send,
 )
 from ._context import DistContext, distributed
+from ._errors import PdistError
 from ._guard import world_comm_guard, world_comm_timeout
 from ._mq import message_queue
 from ._objects import all_gather_object, broadcast_object
 from ._ranks import barrier
-from ._topology import _nvml_device_id
+from ._topology import nvml_handle
 
 __all__ = ["doctor", "doctor_rank"]
 
@@ -133,20 +134,10 @@ def _gpu_name(ctx: DistContext) -> str:
     if ctx.device.type != "cuda" or ctx.device.index is None:
         return "-"
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            ident = _nvml_device_id(ctx.device.index, os.environ)
-            if isinstance(ident, int):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(ident)
-            else:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
+        with nvml_handle(ctx.device.index) as (pynvml, handle):
             name = pynvml.nvmlDeviceGetName(handle)
             return name.decode() if isinstance(name, bytes) else str(name)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML: torch knows the name too
+    except (PdistError, ValueError):  # no NVML: torch knows the name too
         return torch.cuda.get_device_name(ctx.device)
 
 

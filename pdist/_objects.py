@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from . import _payload, _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, broadcast_tree
+from ._collectives import peer_index
 from ._context import DistContext, Group, as_group
 from ._serialize import Safe
 
@@ -165,16 +166,6 @@ def broadcast_tensor_dict(
     )
 
 
-def _peer_index(g: Group, index: int | None, default_global: int, name: str) -> int:
-    if g.world_size == 1:
-        msg = f"point-to-point {name} needs a group of at least 2 ranks; group {g.name!r} has 1"
-        raise ValueError(msg)
-    if index is None:
-        return g.ranks.index(default_global)
-    g.global_rank(index, name=name)
-    return index
-
-
 def _split(
     data: torch.Tensor, bucket: _payload.Bucket, group: Group, ag: Group | None
 ) -> tuple[torch.Tensor, Any]:
@@ -211,7 +202,7 @@ def send_tensor_dict(
     """
     g = as_group(group)
     _check_dict(tensor_dict)
-    peer = _peer_index(g, dst, g.next_rank, "dst")
+    peer = peer_index(g, dst, g.next_rank, "dst")
     pad = 1 if all_gather_group is None else all_gather_group.world_size * _payload.ALIGN
     try:
         encoded = _payload.encode(
@@ -244,7 +235,7 @@ def recv_tensor_dict(
         The dict, with tensors on this rank's device (CPU tensors stay on the CPU).
     """
     g = as_group(group)
-    peer = _peer_index(g, src, g.prev_rank, "src")
+    peer = peer_index(g, src, g.prev_rank, "src")
     body = _wire.recv_bytes(g, peer, what="recv_tensor_dict")
     decoded = _payload.decode(body, safe=safe)
     buffers = _payload.empty_buckets(decoded, g.device)

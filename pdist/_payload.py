@@ -36,11 +36,13 @@ __all__ = [
     "Decoded",
     "Encoded",
     "Fill",
+    "buffer",
     "cpu_buffer",
     "decode",
     "empty_buckets",
     "encode",
     "materialize",
+    "place",
 ]
 
 ALIGN = 64
@@ -85,6 +87,13 @@ def cpu_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the region alive
 
 
+def buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized uint8 buffer on ``device`` (see :func:`cpu_buffer` for the CPU)."""
+    if device.type == "cpu":
+        return cpu_buffer(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -110,16 +119,11 @@ class Fill:
     def _lone(self, total: int) -> bool:
         return len(self.tensors) == 1 and total == self.size and self.tensors[0].is_contiguous()
 
-    def _empty(self, total: int) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return cpu_buffer(total)
-        return torch.empty(total, dtype=torch.uint8, device=self.device)
-
     def pack(self, total: int) -> torch.Tensor:
         """The bucket as one flat uint8 buffer of ``total`` bytes (zero-padded)."""
         if self._lone(total):
             return tensor_bytes(self.tensors[0])  # a lone tensor goes without a copy
-        flat = self._empty(total)
+        flat = buffer(total, self.device)
         parts = [tensor_bytes(t) for t in self.tensors]
         if all(p.numel() % ALIGN == 0 for p in parts):
             # Offsets are then contiguous: one copy in C++.
@@ -135,7 +139,7 @@ class Fill:
         """Where to receive this bucket into the tensors of ``add`` (in place when lone)."""
         if self._lone(self.size):
             return tensor_bytes(self.tensors[0])
-        return self._empty(self.size)
+        return buffer(self.size, self.device)
 
     def unpack(self, buffer: torch.Tensor) -> None:
         """Copy a received bucket into the tensors of ``add``."""
@@ -144,6 +148,32 @@ class Fill:
         for t, offset in zip(self.tensors, self.offsets, strict=True):
             n = t.numel() * t.element_size()
             t.copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
+
+
+def _transport_device(kind: str, device: torch.device) -> torch.device:
+    return torch.device("cpu") if kind == "cpu" else device
+
+
+def place(
+    fills: list[Fill], t: torch.Tensor, device: torch.device, bucket_bytes: int
+) -> tuple[int, int]:
+    """Put ``t`` into the open bucket of its transport, opening a new one when full.
+
+    CPU tensors (and everything on a CPU group) go over the CPU group, other
+    tensors over the device group, on ``device``. Returns ``(bucket index,
+    byte offset)``.
+    """
+    if t.is_cpu or device.type == "cpu":
+        kind, data = "cpu", t.detach().cpu()
+    else:
+        kind, data = "device", t.detach().to(device)
+    # The open bucket of a kind is its last one, found from the end (at most two kinds).
+    index = next((i for i in range(len(fills) - 1, -1, -1) if fills[i].kind == kind), -1)
+    nbytes = t.numel() * t.element_size()
+    if index < 0 or _aligned(fills[index].size) + nbytes > bucket_bytes:
+        index = len(fills)
+        fills.append(Fill(kind, _transport_device(kind, device)))
+    return index, fills[index].add(data)
 
 
 @attrs.frozen
@@ -177,9 +207,7 @@ def encode(
     places: list[tuple[int, int]] = []
     inline: list[bytes] = []
     inline_size = 0
-    current: dict[str, int] = {}
     fills: list[Fill] = []
-    cpu_group = device.type == "cpu"
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         if min_tensor_bytes is None or nbytes < min_tensor_bytes:
@@ -187,15 +215,7 @@ def encode(
             places.append((-1, inline_size))
             inline_size += nbytes
             continue
-        if t.is_cpu or cpu_group:
-            kind, data = "cpu", t.detach().cpu()
-        else:
-            kind, data = "device", t.detach().to(device)
-        index = current.get(kind)
-        if index is None or _aligned(fills[index].size) + nbytes > bucket_bytes:
-            index = current[kind] = len(fills)
-            fills.append(Fill(kind, torch.device("cpu") if kind == "cpu" else device))
-        places.append((index, fills[index].add(data)))
+        places.append(place(fills, t, device, bucket_bytes))
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
     header = pickle.dumps(
         (len(skeleton), [tuple(s) for s in specs], places, [tuple(b) for b in buckets]),
@@ -222,12 +242,7 @@ def decode(body: bytes, *, safe: Safe = False) -> Decoded:
 
 def empty_buckets(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
     """Receive buffers for the buckets of ``decoded``."""
-    return [
-        cpu_buffer(b.nbytes)
-        if b.kind == "cpu" or device.type == "cpu"
-        else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-        for b in decoded.buckets
-    ]
+    return [buffer(b.nbytes, _transport_device(b.kind, device)) for b in decoded.buckets]
 
 
 def tensors_of(

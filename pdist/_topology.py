@@ -7,7 +7,8 @@ import logging
 import os
 import tempfile
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ __all__ = [
     "apply_gpu_affinity",
     "gpu_cpu_affinity",
     "node_partition",
+    "nvml_handle",
     "same_host_matrix",
     "same_node_ranks",
     "set_cpu_affinity",
@@ -153,6 +155,41 @@ def _cpus_from_masks(masks: Iterable[int], bits: int = 64) -> frozenset[int]:
     )
 
 
+@contextlib.contextmanager
+def nvml_handle(device_index: int) -> Iterator[tuple[Any, Any]]:
+    """``(pynvml, handle)`` of torch's CUDA device ``device_index``, NVML initialized meanwhile.
+
+    The index is mapped through ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs).
+
+    Raises:
+        ValueError: ``device_index`` is beyond ``CUDA_VISIBLE_DEVICES``.
+        PdistError: NVML is not available or does not know the device.
+    """
+    try:
+        import pynvml
+    except ImportError as exc:
+        msg = "NVML needs the nvidia-ml-py package (module pynvml)"
+        raise PdistError(msg) from exc
+    ident = _nvml_device_id(device_index, os.environ)
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # pynvml raises its own NVMLError types
+        msg = f"NVML could not be initialized ({exc}); is an NVIDIA driver installed?"
+        raise PdistError(msg) from exc
+    try:
+        try:
+            if isinstance(ident, int):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(ident)
+            else:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
+        except Exception as exc:
+            msg = f"NVML does not know CUDA device {device_index} ({ident!r}): {exc}"
+            raise PdistError(msg) from exc
+        yield pynvml, handle
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def gpu_cpu_affinity(device_index: int) -> frozenset[int]:
     """The CPUs NVML reports as close to torch's CUDA device ``device_index``.
 
@@ -163,30 +200,14 @@ def gpu_cpu_affinity(device_index: int) -> frozenset[int]:
         ValueError: ``device_index`` is beyond ``CUDA_VISIBLE_DEVICES``.
         PdistError: NVML is not available or does not know the device.
     """
-    try:
-        import pynvml
-    except ImportError as exc:
-        msg = "gpu_cpu_affinity needs the nvidia-ml-py package (module pynvml)"
-        raise PdistError(msg) from exc
-    ident = _nvml_device_id(device_index, os.environ)
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # pynvml raises its own NVMLError types
-        msg = f"NVML could not be initialized ({exc}); is an NVIDIA driver installed?"
-        raise PdistError(msg) from exc
-    try:
-        if isinstance(ident, int):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(ident)
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
-        words = ((os.cpu_count() or 64) + 63) // 64
-        masks = pynvml.nvmlDeviceGetCpuAffinity(handle, words)
+    with nvml_handle(device_index) as (pynvml, handle):
+        try:
+            words = ((os.cpu_count() or 64) + 63) // 64
+            masks = pynvml.nvmlDeviceGetCpuAffinity(handle, words)
+        except Exception as exc:
+            msg = f"NVML has no CPU affinity for CUDA device {device_index}: {exc}"
+            raise PdistError(msg) from exc
         return _cpus_from_masks(int(m) for m in masks)
-    except Exception as exc:
-        msg = f"NVML has no CPU affinity for CUDA device {device_index} ({ident!r}): {exc}"
-        raise PdistError(msg) from exc
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def set_cpu_affinity(cpus: Iterable[int]) -> frozenset[int]:

@@ -17,7 +17,7 @@ from . import _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES
 from ._context import DistContext, Group, as_group
 from ._errors import RankMismatchError
-from ._payload import Fill
+from ._payload import Fill, place
 from ._serialize import dtype_name
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
@@ -269,14 +269,8 @@ def broadcast_tensors(
     src_global = group.global_rank(src)
     is_src = group.rank_in_group == src
     fills: list[Fill] = []
-    current: dict[str, int] = {}
     for t in tensors:
-        kind = "cpu" if t.is_cpu or group.device.type == "cpu" else "device"
-        index = current.get(kind)
-        if index is None or fills[index].size + t.numel() * t.element_size() > bucket_bytes:
-            index = current[kind] = len(fills)
-            fills.append(Fill(kind, t.device if kind == "device" else torch.device("cpu")))
-        fills[index].add(t)
+        place(fills, t, group.device, bucket_bytes)
     works = []
     for fill in fills:
         pg = group.cpu_group if fill.kind == "cpu" else group.device_group
