@@ -3,19 +3,22 @@
 ``EvalSampler`` strides a dataset over ranks without padding, and
 ``collate_batches`` gathers every rank's outputs back into dataset order.
 
-``collate_batches`` issues a constant number of collectives: one metadata
-exchange for the whole structure (two collectives on the CPU group), then one
-all-gather per transport (CPU group for CPU tensors, device group for device
-tensors) carrying every leaf as raw bytes.
+``collate_batches`` issues a bounded number of collectives, whatever the
+number of leaves: one metadata exchange for the whole structure (one
+collective on the CPU group when it fits 4 KiB), then at most three
+all-gathers per transport (CPU group for CPU tensors, device group for device
+tensors) carrying the leaves as raw bytes. On the CPU group, leaves of equal
+row size are gathered straight into dataset order (see ``_gather_rows``).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Sequence, Sized
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence, Sized
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from . import _wire
@@ -90,34 +93,53 @@ def _unflatten(spec: Spec, leaves: Iterator[torch.Tensor]) -> Any:
     return values if kind == "list" else tuple(values)
 
 
+def _follow(obj: Any, spec: Spec, leaves: list[torch.Tensor]) -> bool:
+    """Collect the leaves of ``obj`` if it has the structure ``spec`` (False otherwise)."""
+    if spec == "T":
+        leaves.append(obj)
+        return isinstance(obj, torch.Tensor)
+    kind, keys, children = spec
+    if kind == "dict":
+        if not isinstance(obj, dict) or tuple(obj) != keys:
+            return False
+        return all(_follow(obj[k], c, leaves) for k, c in zip(keys, children, strict=True))
+    if not isinstance(obj, list if kind == "list" else tuple) or len(obj) != keys:
+        return False
+    return all(_follow(v, c, leaves) for v, c in zip(obj, children, strict=True))
+
+
 def _local(batches: Sequence[Any]) -> tuple[Spec, list[str], list[list[torch.Tensor]]]:
     """This rank's batches, leaf by leaf (columns); raises ValueError/TypeError on bad input."""
-    spec: Spec = None
-    names: list[str] = []
-    columns: list[list[torch.Tensor]] = []
+    named: list[tuple[str, torch.Tensor]] = []
+    spec = _flatten(batches[0], "", named)
+    names = [name for name, _ in named]
+    firsts = [t for _, t in named]
+    columns: list[list[torch.Tensor]] = [[] for _ in firsts]
     for i, batch in enumerate(batches):
-        leaves: list[tuple[str, torch.Tensor]] = []
-        batch_spec = _flatten(batch, "", leaves)
+        leaves: list[torch.Tensor] = []
         if i == 0:
-            spec, names, columns = batch_spec, [n for n, _ in leaves], [[] for _ in leaves]
-        elif batch_spec != spec:
+            leaves = firsts
+        elif not _follow(batch, spec, leaves):
             msg = f"collate_batches: batch {i} has another structure than batch 0"
             raise ValueError(msg)
-        if any(t.dim() == 0 for _, t in leaves):
+        if any(t.dim() == 0 for t in leaves):
             msg = f"collate_batches: batch {i} has a 0-d tensor; the sample dimension comes first"
             raise ValueError(msg)
-        sizes = sorted({t.shape[0] for _, t in leaves})
+        sizes = {t.shape[0] for t in leaves}
         if len(sizes) > 1:
-            msg = f"collate_batches: the leaves of batch {i} hold different sample counts {sizes}"
+            msg = (
+                f"collate_batches: the leaves of batch {i} hold different sample counts "
+                f"{sorted(sizes)}"
+            )
             raise ValueError(msg)
-        for column, (name, t) in zip(columns, leaves, strict=True):
-            if column and (column[0].shape[1:] != t.shape[1:] or column[0].dtype != t.dtype):
+        for name, first, t, column in zip(names, firsts, leaves, columns, strict=True):
+            if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
                 msg = (
                     f"collate_batches: leaf {name} is {t.dtype} {tuple(t.shape[1:])} in batch {i} "
-                    f"but {column[0].dtype} {tuple(column[0].shape[1:])} in batch 0"
+                    f"but {first.dtype} {tuple(first.shape[1:])} in batch 0"
                 )
                 raise ValueError(msg)
-            column.append(t.detach())
+            column.append(t.detach() if t.requires_grad else t)
     return spec, names, columns
 
 
@@ -219,69 +241,150 @@ def _device(g: Group, spec: TensorSpec) -> torch.device:
     return torch.device("cpu") if spec.device_type == "cpu" else g.device
 
 
+_OWN_GATHER_MIN_BYTES = 256 << 10
 _PIPELINE_MIN_BYTES = 1 << 20
+_MAX_OWN_GATHERS = 2
 
 
-def _split_in_two(entries: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Two runs of leaves of about equal bytes (one run when small).
+class _Call(NamedTuple):
+    """What every gather of one ``collate_batches`` call shares."""
 
-    The second run's transfer then overlaps the first run's unpacking.
+    local: list[list[torch.Tensor]]  # this rank's batches, leaf by leaf
+    specs: list[TensorSpec]
+    world: int
+    rows: int  # samples per rank and leaf on the wire: the largest count (the rest is padding)
+    samples: int  # this rank's samples
+    total: int
+
+
+Finish = Callable[[], list[tuple[int, torch.Tensor]]]
+"""Waits for one gather; returns ``(leaf index, gathered leaf)`` pairs."""
+
+
+def _plan(specs: list[TensorSpec], leaves: list[int], gathered_rows: int) -> list[list[int]]:
+    """Split one transport's leaves into runs of one gather each (at most three).
+
+    Leaves with equal row bytes can be gathered with the interleave fused into
+    the gather (:func:`_gather_rows`). The largest such groups (at most
+    ``_MAX_OWN_GATHERS``, each at least ``_OWN_GATHER_MIN_BYTES`` gathered) get a
+    gather of their own; the other leaves share one packed gather, so the
+    number of collectives stays bounded whatever the number of leaves. A lone
+    large group is split in two, so that packing the second half overlaps the
+    first half's transfer.
     """
-    total = sum(e[2] for e in entries)
-    if total < _PIPELINE_MIN_BYTES or len(entries) < 2:
-        return [entries]
-    running, cut = 0, len(entries)
-    for index, entry in enumerate(entries, 1):
-        running += entry[2]
-        if running * 2 >= total:
-            cut = index
-            break
-    return [entries[:cut], entries[cut:]] if cut < len(entries) else [entries]
+
+    def nbytes(run: list[int]) -> int:
+        return len(run) * specs[run[0]].nbytes * gathered_rows
+
+    by_row: dict[int, list[int]] = collections.defaultdict(list)
+    for i in leaves:
+        by_row[specs[i].nbytes].append(i)
+    ranked = sorted(by_row.values(), key=nbytes, reverse=True)
+    own = [run for run in ranked[:_MAX_OWN_GATHERS] if nbytes(run) >= _OWN_GATHER_MIN_BYTES]
+    rest = sorted(i for run in ranked if run not in own for i in run)
+    if len(own) == 1 and len(own[0]) > 1 and nbytes(own[0]) >= _PIPELINE_MIN_BYTES:
+        half = len(own[0]) // 2
+        own = [own[0][:half], own[0][half:]]
+    return own + ([rest] if rest else [])
+
+
+def _pack(call: _Call, run: list[int], mine: torch.Tensor, offsets: list[int]) -> None:
+    """This rank's batches of each leaf of ``run``, concatenated at its byte offset in ``mine``."""
+    if not call.samples:
+        return
+    for i, offset in zip(run, offsets, strict=True):
+        spec = call.specs[i]
+        start = mine[offset : offset + call.samples * spec.nbytes].view(spec.torch_dtype)
+        torch.cat(call.local[i], out=start.view(call.samples, *spec.shape))  # one copy
+
+
+def _gather_rows(call: _Call, pg: dist.ProcessGroup, run: list[int]) -> Finish:
+    """Gather leaves of equal row bytes, rows landing straight in dataset order.
+
+    Every rank sends its leaves as ``[leaves, rows, row bytes]``. Rank ``j``'s
+    row ``r`` is dataset index ``r * W + j``, so rank ``j``'s output is the
+    strided view ``[:, :, j]`` of a ``[leaves, rows, W, row bytes]`` buffer:
+    gloo's copy out of its staging buffer interleaves the rows, and each leaf
+    is a contiguous slice of the result. Padding rows land past ``total``.
+    """
+    world, rows, row = call.world, call.rows, call.specs[run[0]].nbytes
+    cpu = torch.device("cpu")
+    mine = buffer(len(run) * rows * row, cpu)
+    _pack(call, run, mine, [k * rows * row for k in range(len(run))])
+    gathered = buffer(len(run) * rows * world * row, cpu)
+    grid = gathered.view(len(run), rows, world, row)
+    outs = [grid[:, :, j] for j in range(world)]
+    work = dist.all_gather(outs, mine.view(len(run), rows, row), group=pg, async_op=True)
+
+    def finish() -> list[tuple[int, torch.Tensor]]:
+        work.wait()
+        per_leaf = gathered.view(len(run), rows * world * row)
+        result = []
+        for k, i in enumerate(run):
+            spec = call.specs[i]
+            data = per_leaf[k, : call.total * row].view(spec.torch_dtype)
+            result.append((i, data.view(call.total, *spec.shape)))
+        return result
+
+    return finish
+
+
+def _gather_packed(
+    call: _Call, pg: dist.ProcessGroup, device: torch.device, run: list[int]
+) -> Finish:
+    """Gather leaves of any row sizes as one rank-major buffer, then interleave (one copy each)."""
+    world, rows = call.world, call.rows
+    offsets, size = [], 0
+    for i in run:
+        offsets.append(size)
+        size += (rows * call.specs[i].nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    # Padding rows and alignment gaps are never read back: left uninitialized.
+    mine = buffer(size, device)
+    _pack(call, run, mine, offsets)
+    gathered = buffer(world * size, device)
+    work = all_gather_into(gathered, mine, pg, async_op=True)
+
+    def finish() -> list[tuple[int, torch.Tensor]]:
+        work.wait()
+        per_rank = gathered.view(world, size)
+        result = []
+        for i, offset in zip(run, offsets, strict=True):
+            spec = call.specs[i]
+            block = per_rank[:, offset : offset + rows * spec.nbytes].view(spec.torch_dtype)
+            typed = block.view(world, rows, *spec.shape)  # [W, rows, *trailing]
+            # Sample j of rank r is dataset index r + j * W: interleave, then drop the
+            # padding rows, which all sit at the end.
+            result.append(
+                (i, typed.transpose(0, 1).reshape(rows * world, *spec.shape)[: call.total])
+            )
+        return result
+
+    return finish
 
 
 def _gather_leaves(
-    g: Group, local: list[list[torch.Tensor]], leaf_specs: list[TensorSpec], counts: list[int]
+    g: Group, local: list[list[torch.Tensor]], specs: list[TensorSpec], counts: list[int]
 ) -> list[torch.Tensor]:
-    world, total = g.world_size, sum(counts)
-    if total == 0:
-        return [
-            torch.empty(0, *s.shape, dtype=s.torch_dtype, device=_device(g, s)) for s in leaf_specs
-        ]
-    rows = max(counts)  # every rank sends `rows` samples per leaf, padded
-    count = counts[g.rank_in_group]
-    by_kind: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
-    for i, spec in enumerate(leaf_specs):
-        kind = "cpu" if _device(g, spec).type == "cpu" else "device"
-        by_kind[kind].append((i, 0, rows * spec.nbytes))  # leaf, offset (set below), bytes
-    out: list[torch.Tensor | None] = [None] * len(leaf_specs)
-    pending = []
-    for kind, kind_entries in by_kind.items():
-        device = torch.device("cpu") if kind == "cpu" else g.device
-        pg = g.cpu_group if kind == "cpu" else g.device_group
-        for run in _split_in_two(kind_entries):
-            placed, size = [], 0
-            for i, _, nbytes in run:
-                placed.append((i, size, nbytes))
-                size += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-            # Padding rows and alignment gaps are never read back: left uninitialized.
-            mine = torch.empty(size, dtype=torch.uint8, device=device)
-            for i, offset, _ in placed:
-                if count:
-                    spec = leaf_specs[i]
-                    start = mine[offset : offset + count * spec.nbytes].view(spec.torch_dtype)
-                    # All of this rank's batches straight into place: one copy.
-                    torch.cat(local[i], out=start.view(count, *spec.shape))
-            gathered = buffer(world * size, device)
-            work = all_gather_into(gathered, mine, pg, async_op=True)
-            pending.append((work, gathered, size, placed))
-    for work, gathered, size, placed in pending:
-        work.wait()
-        per_rank = gathered.view(world, size)
-        for i, offset, nbytes in placed:
-            spec = leaf_specs[i]
-            block = per_rank[:, offset : offset + nbytes].view(spec.torch_dtype)  # [W, rows * row]
-            typed = block.view(world, rows, *spec.shape)  # [W, rows, *trailing]
-            # Sample j of rank r is dataset index r + j * W: interleave (the one copy on this
-            # side), then drop the padding rows, which all sit at the end.
-            out[i] = typed.transpose(0, 1).reshape(rows * world, *spec.shape)[:total]
-    return [t for t in out if t is not None]
+    call = _Call(local, specs, g.world_size, max(counts), counts[g.rank_in_group], sum(counts))
+    gathered: dict[int, torch.Tensor] = {}
+    by_transport: dict[bool, list[int]] = collections.defaultdict(list)
+    for i, spec in enumerate(specs):
+        if call.total == 0 or spec.nbytes == 0:  # nothing to move, e.g. a [N, 0] leaf
+            shape = (call.total, *spec.shape)
+            gathered[i] = torch.empty(shape, dtype=spec.torch_dtype, device=_device(g, spec))
+        else:
+            by_transport[_device(g, spec).type == "cpu"].append(i)
+    finishes: list[Finish] = []
+    for on_cpu, leaves in by_transport.items():
+        pg = g.cpu_group if on_cpu else g.device_group
+        for run in _plan(specs, leaves, call.rows * call.world):
+            # Strided outputs rely on gloo copying out of its own staging buffer; a device
+            # transport takes the packed gather and interleaves with one device copy.
+            if on_cpu and len({specs[i].nbytes for i in run}) == 1:
+                finishes.append(_gather_rows(call, pg, run))
+            else:
+                device = torch.device("cpu") if on_cpu else g.device
+                finishes.append(_gather_packed(call, pg, device, run))
+    for finish in finishes:
+        gathered.update(finish())
+    return [gathered[i] for i in range(len(specs))]

@@ -130,22 +130,52 @@ def test_bad_batches_argument(ctx):
         pdist.collate_batches(ctx, torch.zeros(3))
 
 
-@world_sizes(2, 3)
-def test_large_outputs_take_the_pipelined_path(ctx):
-    """Leaves above 1 MiB in all travel in two overlapped gathers; order is still restored."""
-    size = 3001
-    sampler = pdist.EvalSampler(range(size), ctx)
-    indices = torch.tensor(list(sampler))
-    batches = [
-        {f"leaf{k}": (chunk.float().unsqueeze(1) + k).repeat(1, 64) for k in range(6)}
-        | {"index": chunk}
+def _indexed(ctx, size, leaves):
+    """This rank's batches of ``{name: (width, dtype)}`` leaves; sample i holds i + k in leaf k."""
+    indices = torch.tensor(list(pdist.EvalSampler(range(size), ctx)))
+    return [
+        {
+            name: (chunk.unsqueeze(1) + k).repeat(1, width).to(dtype)
+            for k, (name, (width, dtype)) in enumerate(leaves.items())
+        }
         for chunk in indices.split(400)
     ]
+
+
+def _check_indexed(out, size, leaves):
+    for k, (name, (width, dtype)) in enumerate(leaves.items()):
+        expected = (torch.arange(size).unsqueeze(1) + k).repeat(1, width).to(dtype)
+        assert out[name].is_contiguous(), name
+        assert torch.equal(out[name], expected), name
+
+
+@world_sizes(2, 3)
+def test_large_outputs_gather_rows_in_dataset_order(ctx):
+    """Large leaves of equal row size go in two pipelined gathers; others share one more."""
+    size = 3001  # uneven on 2 and 3 ranks
+    one_group = {f"leaf{k}": (64, torch.float32) for k in range(6)}
     with count_collectives() as calls:
-        out = pdist.collate_batches(ctx, batches)
-    assert sum(calls.values()) == 3  # metadata + two pipelined gathers
+        out = pdist.collate_batches(ctx, _indexed(ctx, size, one_group))
+    assert sum(calls.values()) == 3  # metadata + the group's two halves
+    _check_indexed(out, size, one_group)
+
+    # Two large row sizes and small leaves of two more: two own gathers plus one shared.
+    mixed = one_group | {"wide": (100, torch.float64), "index": (1, torch.int64)}
+    mixed |= {"flag": (3, torch.bool)}
+    with count_collectives() as calls:
+        out = pdist.collate_batches(ctx, _indexed(ctx, size, mixed))
+    assert sum(calls.values()) == 4
+    _check_indexed(out, size, mixed)
+
+
+@world_sizes(3)
+def test_zero_width_leaves(ctx):
+    """A leaf with no bytes per sample ([N, 0]) comes back with the right shape."""
+    size = 8
+    batches = [
+        {"empty": torch.zeros(len(chunk), 0), "index": chunk}
+        for chunk in torch.tensor(list(pdist.EvalSampler(range(size), ctx))).split(2)
+    ]
+    out = pdist.collate_batches(ctx, batches)
+    assert out["empty"].shape == (size, 0)
     assert torch.equal(out["index"], torch.arange(size))
-    for k in range(6):
-        assert torch.equal(
-            out[f"leaf{k}"], (torch.arange(size).float().unsqueeze(1) + k).repeat(1, 64)
-        )
