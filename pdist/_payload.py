@@ -17,6 +17,7 @@ the header is ``(skeleton length, specs, places, buckets)`` where a place is
 
 from __future__ import annotations
 
+import math
 import mmap
 import pickle
 import struct
@@ -27,7 +28,17 @@ import attrs
 import torch
 
 from ._errors import PdistError
-from ._serialize import PROTOCOL, Safe, TensorSpec, dumps, loads, rebuild, spec_of, tensor_bytes
+from ._serialize import (
+    PROTOCOL,
+    Safe,
+    TensorSpec,
+    dumps,
+    loads,
+    rebuild,
+    shaped,
+    spec_of,
+    tensor_bytes,
+)
 from ._wire import bytes_of, tensor_of
 
 __all__ = [
@@ -43,6 +54,8 @@ __all__ = [
     "encode",
     "materialize",
     "place",
+    "slab",
+    "staging",
 ]
 
 ALIGN = 64
@@ -101,6 +114,21 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def slab(sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Uninitialized uint8 buffers of ``sizes`` bytes on ``device``, carved from one allocation.
+
+    The buckets of one transfer are alive together, so their total decides
+    which memory backs them (see :func:`cpu_buffer`). Every buffer starts
+    ``ALIGN``-ed.
+    """
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total = _aligned(total + n)
+    whole = buffer(total, device)
+    return [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+
+
 @attrs.define
 class Fill:
     """Tensors laid out in one bucket (at ``ALIGN``-ed byte offsets), packed on demand."""
@@ -111,22 +139,25 @@ class Fill:
     offsets: list[int] = attrs.field(factory=list)
     size: int = 0
 
-    def add(self, t: torch.Tensor) -> int:
-        """Reserve room for ``t``; returns its byte offset in the bucket."""
+    def add(self, t: torch.Tensor, nbytes: int) -> int:
+        """Reserve ``nbytes`` of room for ``t``; returns its byte offset in the bucket."""
         offset = _aligned(self.size)
         self.tensors.append(t)
         self.offsets.append(offset)
-        self.size = offset + t.numel() * t.element_size()
+        self.size = offset + nbytes
         return offset
 
     def _lone(self, total: int) -> bool:
         return len(self.tensors) == 1 and total == self.size and self.tensors[0].is_contiguous()
 
-    def pack(self, total: int) -> torch.Tensor:
-        """The bucket as one flat uint8 buffer of ``total`` bytes (zero-padded)."""
+    def pack(self, total: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket as one flat uint8 buffer of ``total`` bytes (zero-padded).
+
+        It is packed into ``flat`` when given; a lone tensor goes without a copy.
+        """
         if self._lone(total):
-            return tensor_bytes(self.tensors[0])  # a lone tensor goes without a copy
-        flat = buffer(total, self.device)
+            return tensor_bytes(self.tensors[0])
+        flat = buffer(total, self.device) if flat is None else flat
         parts = [tensor_bytes(t) for t in self.tensors]
         if all(p.numel() % ALIGN == 0 for p in parts):
             # Offsets are then contiguous: one copy in C++.
@@ -138,11 +169,14 @@ class Fill:
             flat[offset : offset + part.numel()].copy_(part)
         return flat
 
-    def receive_buffer(self) -> torch.Tensor:
-        """Where to receive this bucket into the tensors of ``add`` (in place when lone)."""
+    def receive_buffer(self, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """Where to receive this bucket into the tensors of ``add`` (in place when lone).
+
+        ``flat`` (of ``size`` bytes) is used when given, else a new buffer.
+        """
         if self._lone(self.size):
             return tensor_bytes(self.tensors[0])
-        return buffer(self.size, self.device)
+        return buffer(self.size, self.device) if flat is None else flat
 
     def unpack(self, buffer: torch.Tensor) -> None:
         """Copy a received bucket into the tensors of ``add``."""
@@ -166,17 +200,35 @@ def place(
     tensors over the device group, on ``device``. Returns ``(bucket index,
     byte offset)``.
     """
+    # Tensors already where they travel from are kept as they are (packing detaches them).
     if t.is_cpu or device.type == "cpu":
-        kind, data = "cpu", t.detach().cpu()
+        kind, data = "cpu", t if t.is_cpu else t.detach().cpu()
     else:
-        kind, data = "device", t.detach().to(device)
+        kind, data = "device", t if t.device == device else t.detach().to(device)
     # The open bucket of a kind is its last one, found from the end (at most two kinds).
-    index = next((i for i in range(len(fills) - 1, -1, -1) if fills[i].kind == kind), -1)
-    nbytes = t.numel() * t.element_size()
+    index = len(fills) - 1
+    while index >= 0 and fills[index].kind != kind:
+        index -= 1
+    nbytes = t.nbytes
     if index < 0 or _aligned(fills[index].size) + nbytes > bucket_bytes:
         index = len(fills)
         fills.append(Fill(kind, _transport_device(kind, device)))
-    return index, fills[index].add(data)
+    return index, fills[index].add(data, nbytes)
+
+
+def staging(fills: list[Fill], sizes: list[int]) -> list[torch.Tensor | None]:
+    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes): one slab per transport.
+
+    A lone tensor's bucket travels in place and gets None.
+    """
+    out: list[torch.Tensor | None] = [None] * len(fills)
+    for kind in ("cpu", "device"):
+        copied = [i for i, f in enumerate(fills) if f.kind == kind and not f._lone(sizes[i])]
+        if copied:
+            flats = slab([sizes[i] for i in copied], fills[copied[0]].device)
+            for i, flat in zip(copied, flats, strict=True):
+                out[i] = flat
+    return out
 
 
 @attrs.frozen
@@ -186,10 +238,11 @@ class Encoded:
     body: bytes
     buckets: list[Bucket]
     _fills: list[Fill] = attrs.field(alias="fills")
+    _staging: list[torch.Tensor | None] = attrs.field(alias="staging")
 
     def pack(self, index: int) -> torch.Tensor:
         """The flat uint8 buffer of bucket ``index`` (packed now, so packing can overlap sends)."""
-        return self._fills[index].pack(self.buckets[index].nbytes)
+        return self._fills[index].pack(self.buckets[index].nbytes, self._staging[index])
 
 
 def encode(
@@ -212,7 +265,7 @@ def encode(
     inline_size = 0
     fills: list[Fill] = []
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         if min_tensor_bytes is None or nbytes < min_tensor_bytes:
             inline.append(bytes_of(tensor_bytes(t.cpu())))
             places.append((-1, inline_size))
@@ -221,11 +274,11 @@ def encode(
         places.append(place(fills, t, device, bucket_bytes))
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
     header = pickle.dumps(
-        (len(skeleton), [tuple(s) for s in specs], places, [tuple(b) for b in buckets]),
+        (len(skeleton), specs, places, [tuple(b) for b in buckets]),
         protocol=PROTOCOL,
     )
     body = b"".join([_LEN.pack(len(header)), header, skeleton, *inline])
-    return Encoded(body, buckets, fills)
+    return Encoded(body, buckets, fills, staging(fills, [b.nbytes for b in buckets]))
 
 
 def decode(body: bytes, *, safe: Safe = False) -> Decoded:
@@ -236,16 +289,49 @@ def decode(body: bytes, *, safe: Safe = False) -> Decoded:
     skeleton_len, specs, places, buckets = header
     return Decoded(
         skeleton=body[start : start + skeleton_len],
-        specs=[TensorSpec(*s) for s in specs],
-        places=[tuple(p) for p in places],
+        specs=list(map(TensorSpec._make, specs)),
+        places=places,
         buckets=[Bucket(k, n) for k, n in buckets],
         blob=body[start + skeleton_len :],
     )
 
 
 def empty_buckets(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
-    """Receive buffers for the buckets of ``decoded``."""
-    return [buffer(b.nbytes, _transport_device(b.kind, device)) for b in decoded.buckets]
+    """Receive buffers for the buckets of ``decoded`` (one slab per transport)."""
+    out: list[torch.Tensor | None] = [None] * len(decoded.buckets)
+    for kind in ("cpu", "device"):
+        members = [i for i, b in enumerate(decoded.buckets) if b.kind == kind]
+        sizes = [decoded.buckets[i].nbytes for i in members]
+        for i, flat in zip(members, slab(sizes, _transport_device(kind, device)), strict=True):
+            out[i] = flat
+    if any(t is None for t in out):
+        msg = f"unknown transport in buckets {decoded.buckets}"
+        raise PdistError(msg)
+    return out  # type: ignore[return-value]
+
+
+def _slices(
+    bucket: torch.Tensor, dtype: torch.dtype, places: list[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """Flat ``dtype`` views of ``bucket`` at ``(byte offset, elements)`` places, in one call.
+
+    The places must be increasing and not overlap (as ``Fill.add`` lays them out).
+    """
+    size = dtype.itemsize
+    typed = bucket[: bucket.numel() // size * size].view(dtype)
+    sizes, position = [], 0
+    for offset, numel in places:
+        start = offset // size
+        if offset % size or start < position:
+            msg = f"corrupt bucket layout: a {dtype} tensor at byte offset {offset}"
+            raise PdistError(msg)
+        sizes += [start - position, numel]
+        position = start + numel
+    if position > typed.numel():
+        msg = f"corrupt bucket layout: {position} {dtype} elements in a bucket of {typed.numel()}"
+        raise PdistError(msg)
+    pieces = typed.split_with_sizes([*sizes, typed.numel() - position])
+    return list(pieces[1::2])  # every other piece is the gap before a tensor
 
 
 def tensors_of(
@@ -254,20 +340,25 @@ def tensors_of(
     device: torch.device,
 ) -> list[torch.Tensor]:
     """The received tensors, as views of ``buckets`` (which may still be filling)."""
-    tensors: list[torch.Tensor] = []
-    for spec, (index, offset) in zip(decoded.specs, decoded.places, strict=True):
-        n = spec.nbytes
+    tensors: list[torch.Tensor | None] = [None] * len(decoded.specs)
+    # Tensors of one dtype in one bucket are sliced together: (bucket, dtype) -> tensor indices.
+    groups: dict[tuple[int, torch.dtype], list[int]] = {}
+    for k, (spec, (index, offset)) in enumerate(zip(decoded.specs, decoded.places, strict=True)):
         if index < 0:
+            n = spec.nbytes
             t = rebuild(spec, tensor_of(decoded.blob[offset : offset + n])[:n])
-            if spec.device_type != "cpu" and device.type != "cpu":
-                t = t.to(device)
+            tensors[k] = t.to(device) if spec.device_type != "cpu" and device.type != "cpu" else t
+        elif index >= len(buckets):
+            msg = f"a received tensor refers to bucket {index} of {len(buckets)}"
+            raise PdistError(msg)
         else:
-            if index >= len(buckets):
-                msg = f"a received tensor refers to bucket {index} of {len(buckets)}"
-                raise PdistError(msg)
-            t = rebuild(spec, buckets[index][offset : offset + n])
-        tensors.append(t)
-    return tensors
+            groups.setdefault((index, spec.torch_dtype), []).append(k)
+    for (index, dtype), members in groups.items():
+        members.sort(key=lambda k: decoded.places[k][1])
+        places = [(decoded.places[k][1], math.prod(decoded.specs[k].shape)) for k in members]
+        for k, flat in zip(members, _slices(buckets[index], dtype, places), strict=True):
+            tensors[k] = shaped(decoded.specs[k], flat)
+    return tensors  # type: ignore[return-value]  # every index was filled
 
 
 def materialize(

@@ -27,6 +27,7 @@ __all__ = [
     "dumps",
     "loads",
     "rebuild",
+    "shaped",
     "spec_of",
     "tensor_bytes",
 ]
@@ -72,12 +73,12 @@ class TensorSpec(NamedTuple):
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
-def spec_of(t: torch.Tensor) -> TensorSpec:
-    """The spec of ``t`` (dtype, shape, device type, grad flag, Parameter or not)."""
-    return TensorSpec(
+def spec_of(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bool, bool]:
+    """The fields of ``t``'s :class:`TensorSpec` as a plain tuple (how specs travel)."""
+    return (
         _NAMES[t.dtype],
         tuple(t.shape),
-        t.device.type,
+        "cpu" if t.is_cpu else t.device.type,
         t.requires_grad,
         type(t) is torch.nn.Parameter,
     )
@@ -93,7 +94,12 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 def rebuild(spec: TensorSpec, data: torch.Tensor) -> torch.Tensor:
     """The tensor described by ``spec`` from its flat uint8 ``data`` (a view of it)."""
     dtype = spec.torch_dtype
-    t = (data if dtype == torch.uint8 else data.view(dtype)).view(spec.shape)
+    return shaped(spec, data if dtype == torch.uint8 else data.view(dtype))
+
+
+def shaped(spec: TensorSpec, flat: torch.Tensor) -> torch.Tensor:
+    """The tensor described by ``spec`` from ``flat``, its elements in its dtype (a view)."""
+    t = flat if len(spec.shape) == 1 else flat.view(spec.shape)
     if spec.is_param:
         return torch.nn.Parameter(t, requires_grad=spec.requires_grad)
     if spec.requires_grad:

@@ -17,7 +17,7 @@ from . import _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES
 from ._context import DistContext, Group, as_group
 from ._errors import RankMismatchError
-from ._payload import Fill, place
+from ._payload import Fill, place, staging
 from ._serialize import dtype_name
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
@@ -272,9 +272,9 @@ def broadcast_tensors(
     for t in tensors:
         place(fills, t, group.device, bucket_bytes)
     works = []
-    for fill in fills:
+    for fill, flat in zip(fills, staging(fills, [f.size for f in fills]), strict=True):
         pg = group.cpu_group if fill.kind == "cpu" else group.device_group
-        buffer = fill.pack(fill.size) if is_src else fill.receive_buffer()
+        buffer = fill.pack(fill.size, flat) if is_src else fill.receive_buffer(flat)
         works.append(
             (fill, buffer, dist.broadcast(buffer, src=src_global, group=pg, async_op=True))
         )

@@ -163,3 +163,20 @@ def test_bad_arguments(ctx):
         pdist.broadcast_object_list(ctx, [1], min_tensor_bytes=-1)
     with pytest.raises(ValueError, match="src=5 is outside group 'world' of size 2"):
         pdist.broadcast_object_list(ctx, [1], src=5)
+
+
+def test_corrupt_bucket_layouts_are_refused():
+    """A header whose places are misaligned, overlapping or out of the bucket raises."""
+    from pdist._payload import _slices
+
+    bucket = torch.arange(64, dtype=torch.uint8)
+    first, second = _slices(bucket, torch.int32, [(0, 2), (16, 3)])
+    assert torch.equal(first, bucket[:8].view(torch.int32))
+    assert torch.equal(second, bucket[16:28].view(torch.int32))
+    for places, match in (
+        ([(2, 1)], "byte offset 2"),
+        ([(0, 4), (8, 1)], "byte offset 8"),
+        ([(60, 2)], "17 torch.int32 elements in a bucket of 16"),
+    ):
+        with pytest.raises(pdist.PdistError, match=match):
+            _slices(bucket, torch.int32, places)
