@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import pytest
@@ -180,3 +181,17 @@ def test_corrupt_bucket_layouts_are_refused():
     ):
         with pytest.raises(pdist.PdistError, match=match):
             _slices(bucket, torch.int32, places)
+
+
+def test_slab_carves_aligned_buffers_from_one_allocation():
+    """The buckets of one transfer share one allocation, each starting ALIGN-ed."""
+    from pdist._payload import ALIGN, slab
+
+    parts = slab([100, 0, 4096, 7], torch.device("cpu"))
+    assert [p.numel() for p in parts] == [100, 0, 4096, 7]
+    filled = [p for p in parts if p.numel()]  # an empty view has no address
+    base = filled[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in filled)
+    assert all((p.data_ptr() - base) % ALIGN == 0 for p in filled)
+    for before, after in itertools.pairwise(filled):
+        assert before.data_ptr() + before.numel() <= after.data_ptr()
