@@ -183,8 +183,8 @@ class Fill:
         if self._lone(self.size):
             return
         for t, offset in zip(self.tensors, self.offsets, strict=True):
-            n = t.numel() * t.element_size()
-            t.copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
+            n = t.nbytes
+            t.detach().copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
 
 
 def _transport_device(kind: str, device: torch.device) -> torch.device:

@@ -108,6 +108,34 @@ def test_mismatches_raise_on_every_rank(ctx):
     assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
 
 
+MALFORMED = {
+    "keys": (
+        [{"a": torch.zeros(1)}, {"b": torch.zeros(1)}],
+        r"batch 1 has another structure than batch 0 \(on rank 1\)",
+    ),
+    "leaf type": (
+        [{"a": torch.zeros(1)}, {"a": [1.0]}],
+        r"batch 1 has another structure than batch 0",
+    ),
+    "0-d": ([torch.zeros(2), torch.tensor(1.0)], r"batch 1 has a 0-d tensor"),
+    "dtype": (
+        [{"a": torch.zeros(1)}, {"a": torch.zeros(1, dtype=torch.int64)}],
+        r"leaf \['a'\] is torch.int64 \(\) in batch 1 but torch.float32 \(\) in batch 0",
+    ),
+    "not a tensor": ([{"a": "text"}], r"\['a'\] is a str; batches hold tensors"),
+}
+
+
+@world_sizes(2)
+def test_malformed_batches_raise_on_every_rank(ctx):
+    """A rank's own malformed batches raise PdistError on every rank, naming that rank."""
+    for bad, match in MALFORMED.values():
+        batches = bad if ctx.rank == 1 else [{"a": torch.zeros(1)}]
+        with pytest.raises(pdist.PdistError, match=match):
+            pdist.collate_batches(ctx, batches)
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+
+
 @world_sizes(2)
 def test_collectives_independent_of_the_number_of_leaves(ctx):
     """One metadata exchange plus one gather per transport, for 1 or 64 leaves."""
