@@ -187,9 +187,10 @@ def test_large_outputs_gather_rows_in_dataset_order(ctx):
     assert sum(calls.values()) == 3  # metadata + the group's two halves
     _check_indexed(out, size, one_group)
 
-    # Two large row sizes and small leaves of two more: two own gathers plus one shared.
-    mixed = one_group | {"wide": (100, torch.float64), "index": (1, torch.int64)}
-    mixed |= {"flag": (3, torch.bool)}
+    # Two large row sizes (the first mixing dtypes) and small leaves of two more: two own
+    # gathers plus one shared.
+    mixed = one_group | {"doubles": (32, torch.float64), "wide": (100, torch.float64)}
+    mixed |= {"index": (1, torch.int64), "flag": (3, torch.bool)}
     with count_collectives() as calls:
         out = pdist.collate_batches(ctx, _indexed(ctx, size, mixed))
     assert sum(calls.values()) == 4
