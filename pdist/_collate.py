@@ -9,6 +9,11 @@ collective on the CPU group when it fits 4 KiB), then at most three
 all-gathers per transport (CPU group for CPU tensors, device group for device
 tensors) carrying the leaves as raw bytes. On the CPU group, leaves of equal
 row size are gathered straight into dataset order (see ``_gather_rows``).
+
+Measured and left out: exchanging the rows through /dev/shm segments when
+the group shares a host (tmpfs pages cost about 3 ms per 5 MB per call, more
+than the gloo transfer they replace), and packing while the metadata
+exchange is in flight (4% faster, for a speculative send layout).
 """
 
 from __future__ import annotations
