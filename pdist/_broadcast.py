@@ -93,7 +93,7 @@ def check_tree(obj: Any) -> None:
 
 
 def _transfer(group: Group, bucket: _payload.Bucket, data: torch.Tensor, src_global: int) -> Any:
-    pg = group.cpu_group if bucket.kind == "cpu" else group.device_group
+    pg = _payload.process_group(group, bucket.kind)
     return dist.broadcast(data, src=src_global, group=pg, async_op=True)
 
 

@@ -29,13 +29,11 @@ from torch.utils.data import Sampler
 from . import _wire
 from ._context import DistContext, Group, as_group
 from ._errors import PdistError, RankMismatchError
-from ._payload import buffer
+from ._payload import buffer, layout, process_group, transport_device
 from ._serialize import TensorSpec, dtype_name
 from ._wire import all_gather_into
 
 __all__ = ["EvalSampler", "collate_batches"]
-
-_ALIGN = 64
 
 
 class EvalSampler(Sampler[int]):
@@ -339,10 +337,7 @@ def _gather_packed(
 ) -> Finish:
     """Gather leaves of any row sizes as one rank-major buffer, then interleave (one copy each)."""
     world, rows = call.world, call.rows
-    offsets, size = [], 0
-    for i in run:
-        offsets.append(size)
-        size += (rows * call.specs[i].nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    offsets, size = layout([rows * call.specs[i].nbytes for i in run])
     # Padding rows and alignment gaps are never read back: left uninitialized.
     mine = buffer(size, device)
     _pack(call, run, mine, offsets)
@@ -372,23 +367,23 @@ def _gather_leaves(
 ) -> list[torch.Tensor]:
     call = _Call(local, specs, g.world_size, max(counts), counts[g.rank_in_group], sum(counts))
     gathered: dict[int, torch.Tensor] = {}
-    by_transport: dict[bool, list[int]] = collections.defaultdict(list)
+    by_transport: dict[str, list[int]] = collections.defaultdict(list)
     for i, spec in enumerate(specs):
         if call.total == 0 or spec.nbytes == 0:  # nothing to move, e.g. a [N, 0] leaf
             shape = (call.total, *spec.shape)
             gathered[i] = torch.empty(shape, dtype=spec.torch_dtype, device=_device(g, spec))
         else:
-            by_transport[_device(g, spec).type == "cpu"].append(i)
+            by_transport["cpu" if _device(g, spec).type == "cpu" else "device"].append(i)
     finishes: list[Finish] = []
-    for on_cpu, leaves in by_transport.items():
-        pg = g.cpu_group if on_cpu else g.device_group
+    for kind, leaves in by_transport.items():
+        pg = process_group(g, kind)
         for run in _plan(specs, leaves, call.rows * call.world):
             # Strided outputs rely on gloo copying out of its own staging buffer; a device
             # transport takes the packed gather and interleaves with one device copy.
-            if on_cpu and len({specs[i].nbytes for i in run}) == 1:
+            if kind == "cpu" and len({specs[i].nbytes for i in run}) == 1:
                 finishes.append(_gather_rows(call, pg, run))
             else:
-                device = torch.device("cpu") if on_cpu else g.device
+                device = transport_device(kind, g.device)
                 finishes.append(_gather_packed(call, pg, device, run))
     for finish in finishes:
         gathered.update(finish())

@@ -29,6 +29,7 @@ import attrs
 from . import _wire
 from ._context import DistContext, Group, as_group
 from ._errors import PdistError
+from ._payload import aligned
 from ._topology import _shm_dir, same_host_matrix
 
 __all__ = ["message_queue"]
@@ -49,17 +50,17 @@ class _Ring:
         self.readers = readers
         self.chunk_bytes = chunk_bytes
         self.chunks = chunks
-        self._slot0 = _align(readers * _WORD)
+        self._slot0 = aligned(readers * _WORD)
 
     @staticmethod
     def size(readers: int, chunk_bytes: int, chunks: int) -> int:
-        return _align(readers * _WORD) + chunks * _align(_SLOT_HEADER + chunk_bytes)
+        return aligned(readers * _WORD) + chunks * aligned(_SLOT_HEADER + chunk_bytes)
 
     def _word(self, offset: int) -> ctypes.c_uint64:
         return ctypes.c_uint64.from_buffer(self.region, offset)
 
     def slot(self, seq: int) -> int:
-        return self._slot0 + (seq % self.chunks) * _align(_SLOT_HEADER + self.chunk_bytes)
+        return self._slot0 + (seq % self.chunks) * aligned(_SLOT_HEADER + self.chunk_bytes)
 
     def consumed(self, reader: int) -> int:
         return int(self._word(reader * _WORD).value)
@@ -82,10 +83,6 @@ class _Ring:
         length = int(self._word(base + _WORD).value)
         kind = int(self._word(base + 2 * _WORD).value)
         return kind, self.region[base + _SLOT_HEADER : base + _SLOT_HEADER + length]
-
-
-def _align(n: int) -> int:
-    return (n + 63) // 64 * 64
 
 
 def _wait(ready: Callable[[], bool], timeout: float, describe: str) -> None:

@@ -169,14 +169,14 @@ def broadcast_tensor_dict(
 def _split(
     data: torch.Tensor, bucket: _payload.Bucket, group: Group, ag: Group | None
 ) -> tuple[torch.Tensor, Any]:
-    pg = group.cpu_group if bucket.kind == "cpu" else group.device_group
+    pg = _payload.process_group(group, bucket.kind)
     if ag is None or ag.world_size == 1:
         return data, pg
     return data.chunk(ag.world_size)[ag.rank_in_group], pg
 
 
 def _gather_parts(part: torch.Tensor, bucket: _payload.Bucket, ag: Group) -> torch.Tensor:
-    pg = ag.cpu_group if bucket.kind == "cpu" else ag.device_group
+    pg = _payload.process_group(ag, bucket.kind)
     parts = [torch.empty_like(part) for _ in ag.ranks]
     dist.all_gather(parts, part, group=pg)
     return torch.cat(parts)

@@ -26,7 +26,9 @@ from typing import Any, NamedTuple
 
 import attrs
 import torch
+import torch.distributed as dist
 
+from ._context import Group
 from ._errors import PdistError
 from ._serialize import (
     PROTOCOL,
@@ -47,15 +49,19 @@ __all__ = [
     "Decoded",
     "Encoded",
     "Fill",
+    "aligned",
     "buffer",
     "cpu_buffer",
     "decode",
     "empty_buckets",
     "encode",
+    "layout",
     "materialize",
     "place",
+    "process_group",
     "slab",
     "staging",
+    "transport_device",
 ]
 
 ALIGN = 64
@@ -110,8 +116,18 @@ def buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ``ALIGN``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of consecutive parts of ``sizes`` bytes, each ``ALIGN``-ed, and the total."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total = aligned(total + n)
+    return offsets, total
 
 
 def slab(sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
@@ -121,10 +137,7 @@ def slab(sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
     which memory backs them (see :func:`cpu_buffer`). Every buffer starts
     ``ALIGN``-ed.
     """
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total = _aligned(total + n)
+    offsets, total = layout(sizes)
     whole = buffer(total, device)
     return [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
 
@@ -141,7 +154,7 @@ class Fill:
 
     def add(self, t: torch.Tensor, nbytes: int) -> int:
         """Reserve ``nbytes`` of room for ``t``; returns its byte offset in the bucket."""
-        offset = _aligned(self.size)
+        offset = aligned(self.size)
         self.tensors.append(t)
         self.offsets.append(offset)
         self.size = offset + nbytes
@@ -150,14 +163,13 @@ class Fill:
     def _lone(self, total: int) -> bool:
         return len(self.tensors) == 1 and total == self.size and self.tensors[0].is_contiguous()
 
-    def pack(self, total: int, flat: torch.Tensor | None = None) -> torch.Tensor:
-        """The bucket as one flat uint8 buffer of ``total`` bytes (zero-padded).
+    def pack(self, flat: torch.Tensor | None) -> torch.Tensor:
+        """The bucket packed into ``flat`` (zero-padded past the tensors).
 
-        It is packed into ``flat`` when given; a lone tensor goes without a copy.
+        ``flat`` is None for a lone tensor (see :func:`staging`), which goes without a copy.
         """
-        if self._lone(total):
+        if flat is None:
             return tensor_bytes(self.tensors[0])
-        flat = buffer(total, self.device) if flat is None else flat
         parts = [tensor_bytes(t) for t in self.tensors]
         if all(p.numel() % ALIGN == 0 for p in parts):
             # Offsets are then contiguous: one copy in C++.
@@ -169,26 +181,25 @@ class Fill:
             flat[offset : offset + part.numel()].copy_(part)
         return flat
 
-    def receive_buffer(self, flat: torch.Tensor | None = None) -> torch.Tensor:
-        """Where to receive this bucket into the tensors of ``add`` (in place when lone).
-
-        ``flat`` (of ``size`` bytes) is used when given, else a new buffer.
-        """
-        if self._lone(self.size):
-            return tensor_bytes(self.tensors[0])
-        return buffer(self.size, self.device) if flat is None else flat
+    def receive_buffer(self, flat: torch.Tensor | None) -> torch.Tensor:
+        """Where to receive this bucket: ``flat``, or the lone tensor itself when it is None."""
+        return tensor_bytes(self.tensors[0]) if flat is None else flat
 
     def unpack(self, buffer: torch.Tensor) -> None:
-        """Copy a received bucket into the tensors of ``add``."""
-        if self._lone(self.size):
-            return
+        """Copy a received bucket into the tensors of ``add`` (not needed for a lone tensor)."""
         for t, offset in zip(self.tensors, self.offsets, strict=True):
             n = t.nbytes
             t.detach().copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
 
 
-def _transport_device(kind: str, device: torch.device) -> torch.device:
+def transport_device(kind: str, device: torch.device) -> torch.device:
+    """Where a transport kind's bytes live: the CPU for ``"cpu"``, else the group's ``device``."""
     return torch.device("cpu") if kind == "cpu" else device
+
+
+def process_group(group: Group, kind: str) -> dist.ProcessGroup:
+    """The torch group that carries a transport kind: the CPU group for ``"cpu"``."""
+    return group.cpu_group if kind == "cpu" else group.device_group
 
 
 def place(
@@ -210,9 +221,9 @@ def place(
     while index >= 0 and fills[index].kind != kind:
         index -= 1
     nbytes = t.nbytes
-    if index < 0 or _aligned(fills[index].size) + nbytes > bucket_bytes:
+    if index < 0 or aligned(fills[index].size) + nbytes > bucket_bytes:
         index = len(fills)
-        fills.append(Fill(kind, _transport_device(kind, device)))
+        fills.append(Fill(kind, transport_device(kind, device)))
     return index, fills[index].add(data, nbytes)
 
 
@@ -242,7 +253,7 @@ class Encoded:
 
     def pack(self, index: int) -> torch.Tensor:
         """The flat uint8 buffer of bucket ``index`` (packed now, so packing can overlap sends)."""
-        return self._fills[index].pack(self.buckets[index].nbytes, self._staging[index])
+        return self._fills[index].pack(self._staging[index])
 
 
 def encode(
@@ -302,7 +313,7 @@ def empty_buckets(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
     for kind in ("cpu", "device"):
         members = [i for i, b in enumerate(decoded.buckets) if b.kind == kind]
         sizes = [decoded.buckets[i].nbytes for i in members]
-        for i, flat in zip(members, slab(sizes, _transport_device(kind, device)), strict=True):
+        for i, flat in zip(members, slab(sizes, transport_device(kind, device)), strict=True):
             out[i] = flat
     if any(t is None for t in out):
         msg = f"unknown transport in buckets {decoded.buckets}"

@@ -17,7 +17,7 @@ from . import _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES
 from ._context import DistContext, Group, as_group
 from ._errors import RankMismatchError
-from ._payload import Fill, place, staging
+from ._payload import Fill, place, process_group, staging
 from ._serialize import dtype_name
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
@@ -273,12 +273,12 @@ def broadcast_tensors(
         place(fills, t, group.device, bucket_bytes)
     works = []
     for fill, flat in zip(fills, staging(fills, [f.size for f in fills]), strict=True):
-        pg = group.cpu_group if fill.kind == "cpu" else group.device_group
-        buffer = fill.pack(fill.size, flat) if is_src else fill.receive_buffer(flat)
-        works.append(
-            (fill, buffer, dist.broadcast(buffer, src=src_global, group=pg, async_op=True))
-        )
-    for fill, buffer, work in works:
+        pg = process_group(group, fill.kind)
+        buffer = fill.pack(flat) if is_src else fill.receive_buffer(flat)
+        work = dist.broadcast(buffer, src=src_global, group=pg, async_op=True)
+        # A lone tensor (no staging buffer) is received in place; the others are unpacked.
+        works.append((fill if flat is not None and not is_src else None, buffer, work))
+    for fill_to_unpack, buffer, work in works:
         work.wait()
-        if not is_src:
-            fill.unpack(buffer)
+        if fill_to_unpack is not None:
+            fill_to_unpack.unpack(buffer)
