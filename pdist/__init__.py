@@ -19,16 +19,12 @@ from ._collectives import recv as recv
 from ._collectives import reduce as reduce
 from ._collectives import send as send
 from ._collectives import shard as shard
-from ._context import DistContext as DistContext
-from ._context import Group as Group
-from ._context import device_mesh as device_mesh
 from ._context import distributed as distributed
-from ._context import new_sp_group as new_sp_group
-from ._context import new_tp_group as new_tp_group
-from ._context import patch_tp as patch_tp
 from ._errors import PdistError as PdistError
 from ._errors import RankMismatchError as RankMismatchError
 from ._graph import graph_capture as graph_capture
+from ._group import DistContext as DistContext
+from ._group import Group as Group
 from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
 from ._guard import world_comm_guard as world_comm_guard
 from ._guard import world_comm_timeout as world_comm_timeout
@@ -45,6 +41,11 @@ from ._ranks import barrier as barrier
 from ._ranks import is_rank0 as is_rank0
 from ._ranks import rank0_first as rank0_first
 from ._ranks import rank0_only as rank0_only
+from ._subgroups import device_mesh as device_mesh
+from ._subgroups import new_group as new_group
+from ._subgroups import new_sp_group as new_sp_group
+from ._subgroups import new_tp_group as new_tp_group
+from ._subgroups import patch_tp as patch_tp
 from ._topology import gpu_cpu_affinity as gpu_cpu_affinity
 from ._topology import same_node_ranks as same_node_ranks
 from ._topology import set_cpu_affinity as set_cpu_affinity
@@ -83,6 +84,7 @@ __all__ = [
     "graph_capture",
     "is_rank0",
     "message_queue",
+    "new_group",
     "new_sp_group",
     "new_tp_group",
     "patch_tp",

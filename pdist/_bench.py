@@ -19,7 +19,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ._context import DistContext
+from ._group import DistContext
 
 __all__ = ["Case", "Record", "run_cases"]
 

@@ -14,7 +14,8 @@ from ._bench import Case, run_cases
 from ._broadcast import broadcast_object_list
 from ._collate import collate_batches
 from ._collectives import all_gather, all_reduce, broadcast
-from ._context import DistContext, distributed
+from ._context import distributed
+from ._group import DistContext
 from ._mq import message_queue
 from ._objects import all_gather_object, broadcast_object
 from ._wire import all_gather_into

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _payload, _wire
-from ._context import DistContext, Group, as_group
+from ._group import DistContext, Group, as_group
 from ._serialize import Safe, loads
 
 __all__ = [

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from . import _wire
-from ._context import DistContext, Group, as_group
 from ._errors import PdistError, RankMismatchError
+from ._group import DistContext, Group, as_group
 from ._payload import buffer, layout, process_group, transport_device
 from ._serialize import TensorSpec, dtype_name
 from ._wire import all_gather_into
@@ -146,6 +146,13 @@ def _local(batches: Sequence[Any]) -> tuple[Spec, list[str], list[list[torch.Ten
     return spec, names, columns
 
 
+def _tuples(value: Any) -> Any:
+    """A record as it left its rank: the exchange's JSON carries tuples as lists."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
 def _describe(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]}"
 
@@ -230,7 +237,11 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     leaves = [(dtype_name(c[0].dtype), tuple(c[0].shape[1:]), c[0].device.type) for c in local]
     count = sum(t.shape[0] for t in local[0]) if local else 0
     record = (error, spec, names, leaves, count)
-    records = [record] if g.world_size == 1 else _wire.exchange(g, record, what="collate_batches")
+    records = (
+        [record]
+        if g.world_size == 1
+        else [_tuples(r) for r in _wire.exchange(g, record, what="collate_batches")]
+    )
     spec, names, leaf_specs, counts = _validate(g, records)
     if spec is None:
         return None

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ._context import DistContext, Group, as_group
+from ._group import DistContext, Group, as_group
 from ._wire import all_gather_into
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "all_to_all_4d",
     "broadcast",
     "gather",
-    "peer_index",
     "recv",
     "reduce",
     "send",
@@ -397,21 +396,6 @@ def shard(
     return x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous()
 
 
-def peer_index(g: Group, index: int | None, default_global: int, name: str) -> int:
-    """The group index of a point-to-point peer: ``index``, or ``default_global``'s.
-
-    Raises:
-        ValueError: The group has one rank, or ``index`` is outside it.
-    """
-    if g.world_size == 1:
-        msg = f"point-to-point {name} needs a group of at least 2 ranks; group {g.name!r} has 1"
-        raise ValueError(msg)
-    if index is None:
-        return g.ranks.index(default_global)
-    g.global_rank(index, name=name)
-    return index
-
-
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
@@ -419,7 +403,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     """
     g = as_group(group)
     _check_tensor(x)
-    peer = g.ranks[peer_index(g, dst, g.next_rank, "dst")]
+    peer = g.ranks[g.peer_index(dst, g.next_rank, "dst")]
     dist.send(x.detach().contiguous(), dst=peer, group=g.device_group)
 
 
@@ -435,7 +419,7 @@ def recv(
         A new tensor on the group's device.
     """
     g = as_group(group)
-    peer = g.ranks[peer_index(g, src, g.prev_rank, "src")]
+    peer = g.ranks[g.peer_index(src, g.prev_rank, "src")]
     out = torch.empty(tuple(shape), dtype=dtype, device=g.device)
     dist.recv(out, src=peer, group=g.device_group)
     return out

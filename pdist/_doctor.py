@@ -22,8 +22,9 @@ from ._collectives import (
     reduce,
     send,
 )
-from ._context import DistContext, distributed
+from ._context import distributed
 from ._errors import PdistError
+from ._group import DistContext
 from ._guard import world_comm_guard, world_comm_timeout
 from ._mq import message_queue
 from ._objects import all_gather_object, broadcast_object

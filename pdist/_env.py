@@ -1,4 +1,8 @@
-"""Launcher detection and ``PDIST_*`` settings, parsed robustly.
+"""Launcher detection and ``PDIST_*`` settings, resolved into one frozen :class:`Settings`.
+
+:func:`resolve_settings` is a pure step: ``distributed()``'s arguments, the
+environment and a description of the machine's accelerator (probed elsewhere
+and passed in) become one value, so every rule is tested without processes.
 
 Every setting that holds a duration falls back to its default, with a warning
 naming the variable and the default, when it is not a finite non-negative
@@ -15,15 +19,25 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 import attrs
+import torch
+
+from ._layout import Layout, make_layout
 
 __all__ = [
+    "DEFAULT_BACKENDS",
     "DEFAULT_TIMEOUT_SEC",
     "DEFAULT_WORLD_COMM_TIMEOUT_SEC",
+    "KNOWN_BACKENDS",
+    "Accelerator",
+    "Adopted",
     "Launch",
+    "Settings",
     "detect_launch",
     "env_backend",
     "env_seconds",
+    "resolve_settings",
     "to_seconds",
+    "world_comm_timeout",
 ]
 
 logger = logging.getLogger("pdist")
@@ -193,3 +207,267 @@ def env_backend(environ: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if environ is None else environ
     raw = env.get("PDIST_BACKEND", "").strip().lower()
     return raw or None
+
+
+def world_comm_timeout(environ: Mapping[str, str] | None = None) -> float | None:
+    """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever).
+
+    Unset gives 600 s; ``0`` waits forever; a non-number, ``nan``, ``inf`` or a
+    negative value logs a warning naming the variable and gives the default.
+    """
+    return env_seconds(
+        "PDIST_WORLD_COMM_TIMEOUT_SEC",
+        DEFAULT_WORLD_COMM_TIMEOUT_SEC,
+        zero_means_forever=True,
+        environ=environ,
+    )
+
+
+KNOWN_BACKENDS = ("gloo", "nccl", "xccl", "hccl", "mpi", "ucc")
+"""Backends ``distributed(backend=...)`` accepts."""
+
+DEFAULT_BACKENDS: dict[str, str] = {
+    "cuda": "nccl",
+    "xpu": "xccl",
+    "npu": "hccl",
+    "hpu": "hccl",
+    "mps": "gloo",
+    "cpu": "gloo",
+}
+"""The backend of each device type, where torch cannot say (``get_default_backend_for_device``)."""
+
+# The device type a backend's tensors must live on; the others take any device.
+_BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "hccl": ("npu", "hpu")}
+_CPU_BACKENDS = ("gloo",)
+
+
+@attrs.frozen(kw_only=True)
+class Accelerator:
+    """The machine's accelerator, as torch's accelerator API reports it.
+
+    Attributes:
+        type: Device type (``"cuda"``, ``"xpu"``, ``"npu"``, ``"mps"``, ...).
+        count: Number of visible devices.
+        backend: Its default distributed backend (``"nccl"``, ``"xccl"``, ...).
+    """
+
+    type: str
+    count: int
+    backend: str
+
+
+@attrs.frozen(kw_only=True)
+class Adopted:
+    """An already-initialized default process group that ``distributed()`` adopts."""
+
+    rank: int
+    world_size: int
+    backend: str
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    """Everything ``distributed()`` needs to know before it touches torch.distributed.
+
+    Attributes:
+        launch: The launcher's description of this process (rank, world, rendezvous).
+        layout: The ``dp, sp, tp`` sizes over the world.
+        backend: Backend of the device groups.
+        device: The device this rank binds to.
+        timeout: Collective timeout of the world group.
+        subgroup_timeout: Collective timeout of the subgroups.
+        startup_timeout: Deadline of the whole start-up in seconds; None waits forever.
+        cpu_affinity: Pin to the CPUs near the accelerator (NVML, CUDA only).
+        adopt: The default group is already initialized: adopt it, leave it alone.
+    """
+
+    launch: Launch
+    layout: Layout
+    backend: str
+    device: torch.device
+    timeout: timedelta
+    subgroup_timeout: timedelta
+    startup_timeout: float | None
+    cpu_affinity: bool
+    adopt: bool
+
+
+def _check_rank_arg(name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        msg = f"{name}={value!r} must be a non-negative int"
+        raise ValueError(msg)
+
+
+def _not_available(device: object, kind: str) -> ValueError:
+    label = "CUDA" if kind == "cuda" else kind.upper()
+    msg = f"device={device!r} needs {label}, which is not available; use device='cpu'"
+    return ValueError(msg)
+
+
+def _in_range(
+    device: object, kind: str, index: int, accelerator: Accelerator, from_local_rank: bool
+) -> torch.device:
+    if index < accelerator.count:
+        return torch.device(kind, index)
+    label = "CUDA" if kind == "cuda" else kind.upper()
+    if from_local_rank:
+        msg = (
+            f"LOCAL_RANK={index} has no {kind} device: only {accelerator.count} {label} "
+            f"device(s) are visible to this process (a launcher that gives each task one GPU "
+            f"shows it as {kind}:0); pass device='{kind}:0' or device=<index>, or make every "
+            f"device visible to every rank of the host"
+        )
+    else:
+        msg = (
+            f"device={device!r} (index {index}) is beyond the {accelerator.count} visible "
+            f"{label} device(s); check CUDA_VISIBLE_DEVICES and the processes per node"
+        )
+    raise ValueError(msg)
+
+
+def _resolve_device(
+    device: str | torch.device | int | None,
+    backend: str | None,
+    local_rank: int,
+    accelerator: Accelerator | None,
+) -> torch.device:
+    if device is None:
+        if accelerator is None or backend in _CPU_BACKENDS:
+            return torch.device("cpu")
+        return _in_range(device, accelerator.type, local_rank, accelerator, True)
+    if isinstance(device, int) and not isinstance(device, bool):
+        if accelerator is None:
+            msg = f"device={device!r} names an accelerator index, but none is available"
+            raise ValueError(msg)
+        device = torch.device(accelerator.type, device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"device={device!r} is not a torch device ({exc})"
+        raise ValueError(msg) from None
+    if resolved.type == "cpu":
+        return resolved
+    if accelerator is None or resolved.type != accelerator.type:
+        raise _not_available(device, resolved.type)
+    index = local_rank if resolved.index is None else resolved.index
+    return _in_range(device, resolved.type, index, accelerator, False)
+
+
+def _resolve_backend(
+    backend: str | None, device: torch.device, accelerator: Accelerator | None
+) -> str:
+    if backend is None:
+        if accelerator is not None and device.type == accelerator.type:
+            return accelerator.backend
+        return DEFAULT_BACKENDS.get(device.type, "gloo")
+    if not isinstance(backend, str) or backend.lower() not in KNOWN_BACKENDS:
+        msg = f"backend={backend!r} is not one of {KNOWN_BACKENDS}"
+        raise ValueError(msg)
+    backend = backend.lower()
+    needs = _BACKEND_DEVICE.get(backend)
+    if needs is not None and device.type not in ((needs,) if isinstance(needs, str) else needs):
+        kind = needs if isinstance(needs, str) else needs[0]
+        label = "CUDA" if kind == "cuda" else kind.upper()
+        available = accelerator is not None and accelerator.type == kind
+        msg = (
+            f"backend={backend!r} needs a {label} device, but the device is {str(device)!r}"
+            + ("" if available else f" ({label} is not available)")
+            + "; use backend='gloo' on CPU"
+        )
+        raise ValueError(msg)
+    return backend
+
+
+def _startup_seconds(value: float | timedelta | None, environ: Mapping[str, str]) -> float | None:
+    if value is None:
+        return world_comm_timeout(environ)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return None
+    return to_seconds(value, "startup_timeout")
+
+
+def resolve_settings(
+    *,
+    tp: int = 1,
+    sp: int = 1,
+    backend: str | None = None,
+    device: str | torch.device | int | None = None,
+    timeout: float | timedelta | None = None,
+    startup_timeout: float | timedelta | None = None,
+    store_given: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    cpu_affinity: bool = True,
+    environ: Mapping[str, str] | None = None,
+    accelerator: Accelerator | None = None,
+    adopted: Adopted | None = None,
+) -> Settings:
+    """Turn ``distributed()``'s arguments and the environment into :class:`Settings` (pure).
+
+    Args:
+        tp: Tensor-parallel size.
+        sp: Sequence-parallel size.
+        backend: Requested backend; default ``PDIST_BACKEND``, else the device's.
+        device: Requested device; default the accelerator at ``local_rank``, else the CPU.
+        timeout: Collective timeout; default ``PDIST_TIMEOUT_SEC`` or 1800 s.
+        startup_timeout: Start-up deadline; None reads ``PDIST_WORLD_COMM_TIMEOUT_SEC``
+            (default 600 s); ``0`` waits forever.
+        store_given: A rendezvous store was passed in.
+        rank: Overrides the launcher's rank.
+        world_size: Overrides the launcher's world size.
+        local_rank: Overrides the launcher's local rank.
+        cpu_affinity: Pin to the CPUs near the GPU.
+        environ: The environment; ``os.environ`` by default.
+        accelerator: The machine's accelerator, or None for a CPU-only machine.
+        adopted: The already-initialized default group, if any.
+
+    Raises:
+        ValueError: Any argument or launcher variable is invalid; the message
+            names it, its value and the fix.
+        TypeError: A size or duration has the wrong type.
+    """
+    env = os.environ if environ is None else environ
+    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank)):
+        _check_rank_arg(name, value)
+    launch = detect_launch(env)
+    if adopted is not None:
+        launch = attrs.evolve(launch, rank=adopted.rank, world_size=adopted.world_size)
+    launch = attrs.evolve(
+        launch,
+        rank=launch.rank if rank is None else rank,
+        world_size=launch.world_size if world_size is None else world_size,
+        local_rank=launch.local_rank if local_rank is None else local_rank,
+    )
+    if launch.rank >= launch.world_size:
+        msg = f"rank={launch.rank} must be below world_size={launch.world_size}"
+        raise ValueError(msg)
+    if adopted is None and not store_given and launch.world_size > 1 and launch.launcher == "none":
+        msg = (
+            f"world_size={launch.world_size} without a launcher needs a rendezvous: "
+            "pass store= or run under torchrun/SLURM"
+        )
+        raise ValueError(msg)
+    layout = make_layout(launch.world_size, tp=tp, sp=sp)
+    requested = backend if backend is not None else env_backend(env)
+    resolved_device = _resolve_device(device, requested, launch.local_rank, accelerator)
+    resolved_backend = _resolve_backend(requested, resolved_device, accelerator)
+    if adopted is not None:
+        resolved_backend = adopted.backend
+    if timeout is None:
+        seconds = env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=env)
+    else:
+        seconds = to_seconds(timeout, "timeout")
+    seconds = DEFAULT_TIMEOUT_SEC if seconds is None else seconds  # None only with zero=forever
+    sub_seconds = env_seconds("PDIST_SUBGROUP_TIMEOUT_SEC", seconds, environ=env)
+    return Settings(
+        launch=launch,
+        layout=layout,
+        backend=resolved_backend,
+        device=resolved_device,
+        timeout=timedelta(seconds=seconds),
+        subgroup_timeout=timedelta(seconds=seconds if sub_seconds is None else sub_seconds),
+        startup_timeout=_startup_seconds(startup_timeout, env),
+        cpu_affinity=bool(cpu_affinity),
+        adopt=adopted is not None,
+    )

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-from ._context import DistContext, Group, as_group
+from ._group import DistContext, Group, as_group
 
 __all__ = ["GraphCaptureContext", "graph_capture"]
 

@@ -1,9 +1,10 @@
-"""Start-up guard: a deadline on building the world communicator, enforced by a watchdog.
+"""Deadlines enforced by a watchdog: the start-up of ``distributed()`` and ``world_comm_guard``.
 
-A rank stuck while the world communicator comes up sits inside a C call that
-no signal or exception can reach, so the guard's watchdog thread ends the
-process itself, with ``WORLD_COMM_TIMEOUT_EXIT_CODE``, after logging which
-ranks never checked in.
+A rank stuck while a communicator comes up sits inside a C call that no
+signal or exception can reach, so the watchdog thread ends the process
+itself, with ``WORLD_COMM_TIMEOUT_EXIT_CODE``, after logging which stage it
+was in and which ranks never checked in. Ranks check in through the
+rendezvous store as soon as they reach it, before any communicator exists.
 """
 
 from __future__ import annotations
@@ -24,37 +25,44 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from . import _env
-from ._context import DistContext
 from ._errors import PdistError
+from ._group import DistContext
 
-__all__ = ["WORLD_COMM_TIMEOUT_EXIT_CODE", "world_comm_guard", "world_comm_timeout"]
+__all__ = [
+    "WORLD_COMM_TIMEOUT_EXIT_CODE",
+    "Deadline",
+    "default_store",
+    "world_comm_guard",
+    "world_comm_timeout",
+]
 
 logger = logging.getLogger("pdist")
 
 WORLD_COMM_TIMEOUT_EXIT_CODE = 93
-"""Exit code of a process the guard's watchdog ended."""
+"""Exit code of a process whose start-up (or guarded block) missed its deadline."""
 
-_PREFIX = "pdist/guard"
-_STORE_READ_SECONDS = 2.0
+_PREFIX = "pdist/checkin"
+_STORE_READ_SECONDS = 3.0
+_CHECK_CHUNK = 512
+_MISSING_SHOWN = 16
 
 
 def world_comm_timeout() -> float | None:
-    """The guard's deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever).
+    """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever).
 
     Unset gives 600 s; ``0`` waits forever; a non-number, ``nan``, ``inf`` or a
     negative value logs a warning naming the variable and gives the default.
     """
-    return _env.env_seconds(
-        "PDIST_WORLD_COMM_TIMEOUT_SEC", _env.DEFAULT_WORLD_COMM_TIMEOUT_SEC, zero_means_forever=True
-    )
+    return _env.world_comm_timeout()
 
 
-def _grace(seconds: float) -> float:
-    # A build that finishes right at the deadline must not be killed.
+def grace(seconds: float) -> float:
+    """How long past the deadline the watchdog still waits: a build right at it is not killed."""
     return min(10.0, max(1.0, 0.05 * seconds))
 
 
-def _default_store() -> Store | None:
+def default_store() -> Store | None:
+    """The default process group's store, or None (no default group, or an older torch)."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -63,47 +71,133 @@ def _default_store() -> Store | None:
         return None
 
 
-def _read_checkins(store: Store, keys: list[str]) -> dict[int, str] | None:
-    """Which ranks checked in (rank -> host), read in a helper thread with a bounded wait.
+def _missing(store: Store, keys: list[str]) -> list[int] | None:
+    """The indices of ``keys`` absent from ``store``, read with a bounded wait (None: no answer).
 
-    The main thread may be stuck inside the store, so the watchdog never waits on it.
+    Chunked: one round trip per chunk, then one per key of the incomplete chunks.
+    The reading thread may hang on a dead store; the watchdog never waits on it.
     """
-    found: dict[int, str] = {}
+    found: list[int] = []
     done = threading.Event()
 
     def read() -> None:
-        for rank, key in enumerate(keys):
-            if store.check([key]):
-                found[rank] = store.get(key).decode(errors="replace")
+        for start in range(0, len(keys), _CHECK_CHUNK):
+            chunk = keys[start : start + _CHECK_CHUNK]
+            if not store.check(chunk):
+                found.extend(start + i for i, key in enumerate(chunk) if not store.check([key]))
         done.set()
 
-    threading.Thread(target=read, name="pdist-guard-read", daemon=True).start()
-    return dict(found) if done.wait(_STORE_READ_SECONDS) else None
+    threading.Thread(target=read, name="pdist-checkin-read", daemon=True).start()
+    return list(found) if done.wait(_STORE_READ_SECONDS) else None
 
 
-def _abort(
-    ctx: DistContext, seconds: float, store: Store | None, keys: list[str], what: str
-) -> None:
-    checked = _read_checkins(store, keys) if store is not None else None
-    host = socket.gethostname()
-    if checked is None:
-        missing_text = "unknown (the rendezvous store did not answer)"
-    else:
-        missing = [r for r in range(ctx.world_size) if r not in checked]
-        described = [
-            f"{r} (host {host})" if r in ctx.node.ranks else f"{r} (host unknown)" for r in missing
-        ]
-        missing_text = ", ".join(described) if described else "none (all checked in)"
-    message = (
-        f"pdist: rank {ctx.rank} on {host}: {what} did not finish within the {seconds:g}s "
-        f"deadline; ranks that never checked in: {missing_text}. Raise the deadline with "
-        f"world_comm_guard(ctx, timeout=...) or PDIST_WORLD_COMM_TIMEOUT_SEC (0 waits forever), "
-        f"or find out why those ranks are late. Exiting with code {WORLD_COMM_TIMEOUT_EXIT_CODE}."
-    )
-    logger.error(message)
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-    os._exit(WORLD_COMM_TIMEOUT_EXIT_CODE)
+class Deadline:
+    """A watchdog that ends the process with exit code 93 unless disarmed in time.
+
+    ``stage`` names what the rank is doing (it appears in the message);
+    :meth:`check_in` records this rank in the store, so that on expiry every
+    waiting rank can name the ranks that never arrived.
+    """
+
+    def __init__(
+        self,
+        seconds: float | None,
+        *,
+        rank: int,
+        world_size: int,
+        what: str,
+        hint: str,
+        rendezvous: str | None = None,
+    ) -> None:
+        self.seconds = seconds
+        self.rank = rank
+        self.world_size = world_size
+        self.what = what
+        self.hint = hint
+        self.rendezvous = rendezvous
+        self.stage = "starting"
+        self._store: Store | None = None
+        self._keys: list[str] = []
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = time.monotonic()
+
+    def arm(self) -> None:
+        """Start the watchdog (nothing happens without a finite deadline)."""
+        self._start = time.monotonic()
+        if self.seconds is None or not math.isfinite(self.seconds):
+            return
+        limit = self.seconds + grace(self.seconds)
+        self._thread = threading.Thread(
+            target=self._watch, args=(limit,), name="pdist-deadline", daemon=True
+        )
+        self._thread.start()
+
+    def check_in(self, store: Store, kind: str) -> None:
+        """Record this rank (and its host) in ``store`` under this call's generation of ``kind``.
+
+        The k-th call of every rank shares generation k, so the keys of two
+        blocks in one job never mix.
+        """
+        generation = store.add(f"{_PREFIX}/{kind}/calls/{self.rank}", 1)
+        self._keys = [f"{_PREFIX}/{kind}/{generation}/{r}" for r in range(self.world_size)]
+        store.set(self._keys[self.rank], socket.gethostname())
+        self._store = store
+
+    def disarm(self) -> float:
+        """Stop the watchdog; returns the seconds since :meth:`arm`.
+
+        Logs a warning when the deadline passed but the grace period saved the run.
+        """
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        took = time.monotonic() - self._start
+        if self.seconds is not None and took > self.seconds:
+            logger.warning(
+                "pdist: rank %d: %s took %.1fs, past its %gs deadline (saved by the grace "
+                "period); raise the deadline before it ends a run: %s",
+                self.rank,
+                self.what,
+                took,
+                self.seconds,
+                self.hint,
+            )
+        return took
+
+    def _watch(self, limit: float) -> None:
+        if not self._done.wait(limit):
+            self._abort()
+
+    def _describe_missing(self) -> str:
+        store = self._store
+        if store is None:
+            where = f" at {self.rendezvous}" if self.rendezvous else ""
+            return (
+                f"unknown: the rendezvous store{where} never answered (is the rank-0 host up "
+                "and the address and port reachable from this host?)"
+            )
+        missing = _missing(store, self._keys)
+        if missing is None:
+            return "unknown (the rendezvous store did not answer)"
+        if not missing:
+            return "none (all checked in)"
+        shown = ", ".join(str(r) for r in missing[:_MISSING_SHOWN])
+        more = len(missing) - _MISSING_SHOWN
+        return shown + (f" and {more} more ({len(missing)} in all)" if more > 0 else "")
+
+    def _abort(self) -> None:
+        host = socket.gethostname()
+        message = (
+            f"pdist: rank {self.rank} on {host}: {self.what} did not finish within the "
+            f"{self.seconds:g}s deadline while {self.stage}; ranks that never checked in: "
+            f"{self._describe_missing()}. {self.hint}, or find out why those ranks are late. "
+            f"Exiting with code {WORLD_COMM_TIMEOUT_EXIT_CODE}."
+        )
+        logger.error(message)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        os._exit(WORLD_COMM_TIMEOUT_EXIT_CODE)
 
 
 def _resolve(timeout: float | timedelta | None) -> float | None:
@@ -114,17 +208,42 @@ def _resolve(timeout: float | timedelta | None) -> float | None:
     return _env.to_seconds(timeout, "timeout")
 
 
+def probe_world(ctx: DistContext) -> None:
+    """All-reduce ``rank + 1`` over the world device group and check the sum (in int64).
+
+    Raises:
+        PdistError: The sum is wrong: the communicator is broken.
+    """
+    if ctx.world_size == 1:
+        return
+    probe = torch.tensor([ctx.rank + 1], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(probe, group=ctx.world.device_group)
+    expected = ctx.world_size * (ctx.world_size + 1) // 2
+    got = int(probe.item())
+    if got != expected:
+        msg = (
+            f"world communicator probe on rank {ctx.rank}: all-reduce gave {got}, "
+            f"expected {expected}; the communicator is broken"
+        )
+        raise PdistError(msg)
+
+
 @contextlib.contextmanager
 def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None) -> Iterator[None]:
-    """Build the world communicator under a deadline that also covers the block.
+    """Bound a chosen block, and a probe of the world communicator, by a deadline.
 
     On entry every rank checks in (its rank and host, in the rendezvous store)
-    and runs a probe all-reduce on the world device group, whose sum is
+    and runs a probe all-reduce on the world device group, whose int64 sum is
     verified. If the probe and the block do not finish within the deadline
     (plus a short grace), a watchdog logs which ranks never checked in, the
     deadline and how to raise it, and ends the process with
     ``WORLD_COMM_TIMEOUT_EXIT_CODE`` (93): the stall sits inside a C call
     that no exception can reach.
+
+    ``distributed()`` already bounds its own start-up (``startup_timeout=``);
+    use this guard for a block you choose, such as a first collective after a
+    long pause. It ends any block that runs past the deadline, so never wrap a
+    whole training job in it.
 
     .. note:: Every rank of the world must enter it.
 
@@ -137,42 +256,28 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
         PdistError: The probe's sum is wrong (a broken communicator).
     """
     seconds = _resolve(timeout)
-    store = _default_store()
-    keys: list[str] = []
+    deadline = Deadline(
+        seconds,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        what="the world_comm_guard block",
+        hint="Raise the deadline with world_comm_guard(ctx, timeout=...) or "
+        "PDIST_WORLD_COMM_TIMEOUT_SEC (0 waits forever)",
+    )
+    store = default_store()
     if store is not None:
-        # The k-th guard of every rank shares generation k.
-        generation = store.add(f"{_PREFIX}/calls/{ctx.rank}", 1)
-        keys = [f"{_PREFIX}/{generation}/rank/{r}" for r in range(ctx.world_size)]
-        store.set(keys[ctx.rank], socket.gethostname())
-    finished = threading.Event()
-    stage = ["building the world communicator"]
-    watchdog = None
-    if seconds is not None and math.isfinite(seconds):
-        limit = seconds
-
-        def watch() -> None:
-            if not finished.wait(limit + _grace(limit)):
-                _abort(ctx, limit, store, keys, stage[0])
-
-        watchdog = threading.Thread(target=watch, name="pdist-world-comm-guard", daemon=True)
-        watchdog.start()
+        deadline.check_in(store, "guard")
+    deadline.stage = "probing the world communicator"
+    deadline.arm()
     try:
         start = time.monotonic()
-        if ctx.world_size > 1:
-            probe = torch.full((1,), float(ctx.rank + 1), device=ctx.device)
-            dist.all_reduce(probe, group=ctx.world.device_group)
-            expected = ctx.world_size * (ctx.world_size + 1) / 2
-            if probe.item() != expected:
-                msg = (
-                    f"world communicator probe on rank {ctx.rank}: all-reduce gave "
-                    f"{probe.item()}, expected {expected}; the communicator is broken"
-                )
-                raise PdistError(msg)
-        took = time.monotonic() - start
-        logger.info("pdist: world communicator of %d ranks built in %.2fs", ctx.world_size, took)
-        stage[0] = "the guarded block"
+        probe_world(ctx)
+        logger.info(
+            "pdist: world communicator of %d ranks answered in %.2fs",
+            ctx.world_size,
+            time.monotonic() - start,
+        )
+        deadline.stage = "running the guarded block"
         yield
     finally:
-        finished.set()
-        if watchdog is not None:
-            watchdog.join()
+        deadline.disarm()

@@ -4,15 +4,23 @@ Axes go from slowest- to fastest-varying: ``dp, sp, tp``, so tensor-parallel
 ranks are adjacent. A rank's coordinates ``(d, s, t)`` satisfy
 ``rank == (d * sp + s) * tp + t``. With ``tp == 1`` sequence-parallel groups
 are consecutive blocks and data-parallel groups are strided by ``sp``.
+``dp_sp`` joins the ``dp`` and ``sp`` axes: the ranks sharing a tp index.
+
+Every group of an axis is an arithmetic progression of ranks, so a partition
+is built from ``range`` objects in O(W) time and memory, whatever the sizes.
 """
 
 from __future__ import annotations
 
 import attrs
 
-__all__ = ["AXES", "Layout", "consecutive_groups", "make_layout"]
+__all__ = ["AXES", "GROUP_AXES", "Layout", "consecutive_groups", "make_layout"]
 
 AXES = ("dp", "sp", "tp")
+"""The mesh axes, slowest- to fastest-varying."""
+
+GROUP_AXES = (*AXES, "dp_sp")
+"""Every axis a context holds a group for: the mesh axes and the flattened ``dp_sp``."""
 
 Ranks = tuple[int, ...]
 
@@ -41,10 +49,12 @@ class Layout:
     tp: int
 
     def size(self, axis: str) -> int:
-        """The size of ``axis`` (``"dp"``, ``"sp"`` or ``"tp"``)."""
-        if axis not in AXES:
-            msg = f"axis={axis!r} is not one of {AXES}"
+        """The size of ``axis`` (``"dp"``, ``"sp"``, ``"tp"`` or ``"dp_sp"``)."""
+        if axis not in GROUP_AXES:
+            msg = f"axis={axis!r} is not one of {GROUP_AXES}"
             raise ValueError(msg)
+        if axis == "dp_sp":
+            return self.dp * self.sp
         return int(getattr(self, axis))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -60,22 +70,48 @@ class Layout:
         """The rank at coordinates ``(d, s, t)``."""
         return (d * self.sp + s) * self.tp + t
 
+    def _progression(self, axis: str, first: int) -> range:
+        """The ``axis`` group whose first member is ``first``, as a range of ranks."""
+        tp, sp = self.tp, self.sp
+        if axis == "tp":
+            return range(first, first + tp)
+        if axis == "sp":
+            return range(first, first + sp * tp, tp)
+        if axis == "dp":
+            return range(first, self.world_size, sp * tp)
+        return range(first, self.world_size, tp)  # dp_sp
+
+    def _first(self, axis: str, rank: int) -> int:
+        """The first member of the ``axis`` group holding ``rank``."""
+        d, s, t = self.coords(rank)
+        if axis == "tp":
+            return self.rank_of(d, s, 0)
+        if axis == "sp":
+            return self.rank_of(d, 0, t)
+        if axis == "dp":
+            return self.rank_of(0, s, t)
+        return t  # dp_sp
+
+    def _firsts(self, axis: str) -> list[int]:
+        """The first member of every ``axis`` group, increasing."""
+        tp, sp, world = self.tp, self.sp, self.world_size
+        if axis == "tp":
+            return list(range(0, world, tp))
+        if axis == "sp":
+            return [block + t for block in range(0, world, sp * tp) for t in range(tp)]
+        if axis == "dp":
+            return list(range(sp * tp))
+        return list(range(tp))  # dp_sp
+
     def group_of(self, axis: str, rank: int) -> Ranks:
         """The ranks of the ``axis`` group that contains ``rank``, in axis order."""
-        coords = list(self.coords(rank))
-        index = AXES.index(axis)
-        members = []
-        for i in range(self.size(axis)):
-            coords[index] = i
-            members.append(self.rank_of(*coords))
-        return tuple(members)
+        self.size(axis)  # validates the axis
+        return tuple(self._progression(axis, self._first(axis, rank)))
 
     def groups(self, axis: str) -> tuple[Ranks, ...]:
         """Every ``axis`` group, ordered by its first rank; together they partition the world."""
-        seen: dict[Ranks, None] = {}
-        for rank in range(self.world_size):
-            seen.setdefault(self.group_of(axis, rank), None)
-        return tuple(seen)
+        self.size(axis)
+        return tuple(tuple(self._progression(axis, first)) for first in self._firsts(axis))
 
 
 def make_layout(world_size: int, *, tp: int = 1, sp: int = 1) -> Layout:

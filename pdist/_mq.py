@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterator
 import attrs
 
 from . import _wire
-from ._context import DistContext, Group, as_group
 from ._errors import PdistError
+from ._group import DistContext, Group, as_group
 from ._payload import aligned
-from ._topology import _shm_dir, same_host_matrix
+from ._topology import host_blocks, shm_dir
 
 __all__ = ["message_queue"]
 
@@ -133,7 +133,7 @@ class _MessageQueue:
         seq = self.seq
         ring = self.ring
         if self.reader is None:
-            message = _wire._frame(payload, error, group.rank)
+            message = _wire.frame(payload, error, group.rank)
             _wait(
                 lambda: all(ring.consumed(r) >= seq - ring.chunks for r in range(ring.readers)),
                 self.timeout,
@@ -144,7 +144,7 @@ class _MessageQueue:
             else:
                 ring.write(seq, _OVERFLOW, b"")
                 _wire.broadcast_bytes(group, payload, 0, error=error, what=what)
-            _wire._reraise_own(error, group, what, group.rank)
+            _wire.reraise_own(error, group, what, group.rank)
             return payload or b""
         reader = self.reader
         _wait(
@@ -156,7 +156,7 @@ class _MessageQueue:
         ring.set_consumed(reader, seq)
         if kind == _OVERFLOW:
             return _wire.broadcast_bytes(group, None, 0, what=what)
-        return _wire._unframe(data, group, what)
+        return _wire.unframe(data, group, what)
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
@@ -194,8 +194,8 @@ def message_queue(
     if g.world_size == 1:
         yield g
         return
-    matrix = same_host_matrix(g)
-    others = [g.ranks[j] for j in range(g.world_size) if not (matrix[0][j] and matrix[j][0])]
+    first_host = next(b for b in host_blocks(g) if g.ranks[0] in b)
+    others = [r for r in g.ranks if r not in first_host]
     if others:
         msg = (
             f"message_queue needs every rank of group {g.name!r} on one host; ranks {others} "
@@ -207,7 +207,7 @@ def message_queue(
     path = None
     segment = b""
     if g.is_first_rank:
-        path = os.path.join(_shm_dir(), f"pdist-mq-{uuid.uuid4().hex}")
+        path = os.path.join(shm_dir(), f"pdist-mq-{uuid.uuid4().hex}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from . import _payload, _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, broadcast_tree
-from ._collectives import peer_index
-from ._context import DistContext, Group, as_group
+from ._group import DistContext, Group, as_group
 from ._serialize import Safe
 
 __all__ = [
@@ -202,7 +201,7 @@ def send_tensor_dict(
     """
     g = as_group(group)
     _check_dict(tensor_dict)
-    peer = peer_index(g, dst, g.next_rank, "dst")
+    peer = g.peer_index(dst, g.next_rank, "dst")
     pad = 1 if all_gather_group is None else all_gather_group.world_size * _payload.ALIGN
     try:
         encoded = _payload.encode(
@@ -235,7 +234,7 @@ def recv_tensor_dict(
         The dict, with tensors on this rank's device (CPU tensors stay on the CPU).
     """
     g = as_group(group)
-    peer = peer_index(g, src, g.prev_rank, "src")
+    peer = g.peer_index(src, g.prev_rank, "src")
     body = _wire.recv_bytes(g, peer, what="recv_tensor_dict")
     decoded = _payload.decode(body, safe=safe)
     buffers = _payload.empty_buckets(decoded, g.device)

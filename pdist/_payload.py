@@ -28,8 +28,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ._context import Group
 from ._errors import PdistError
+from ._group import Group
 from ._serialize import (
     PROTOCOL,
     Safe,

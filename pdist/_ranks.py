@@ -10,7 +10,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 import torch.distributed as dist
 
 from . import _wire
-from ._context import DistContext, Group, as_group
+from ._group import DistContext, Group, as_group
 
 __all__ = ["barrier", "is_rank0", "rank0_first", "rank0_only"]
 

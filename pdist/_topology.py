@@ -1,129 +1,269 @@
-"""Which ranks share a host (a shared-memory probe) and NVML CPU affinity."""
+"""Which ranks share a host (O(W) host records, verified through shared memory) and CPU affinity.
+
+Host detection gathers one fixed-size record per rank (the kernel's boot id,
+the device and inode of ``/dev/shm``, the hostname and a probe name): 160
+bytes per rank, whatever the world size. Ranks with equal ``(boot id, /dev/shm
+device, inode)`` see the same tmpfs, which is what sharing memory on one host
+means (two containers with private ``/dev/shm`` mounts differ in the device).
+That is then verified where it matters, among the candidates only: every rank
+creates a probe segment, opens those of its same-host candidates, and one
+small all-reduce agrees on the verdict. Three collectives of fixed size per
+rank, no W x W structure anywhere.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import socket
+import struct
 import tempfile
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._context import DistContext, Group, as_group
 from ._errors import PdistError
+from ._group import DistContext, Group, as_group
+from ._wire import bytes_of
 
 __all__ = [
+    "RECORD_BYTES",
     "apply_gpu_affinity",
     "gpu_cpu_affinity",
+    "host_blocks",
     "node_partition",
     "nvml_handle",
-    "same_host_matrix",
     "same_node_ranks",
     "set_cpu_affinity",
+    "shm_dir",
 ]
 
 logger = logging.getLogger("pdist")
 
-_NAME_BYTES = 128
+# magic, version, status, /dev/shm device, /dev/shm inode, boot id, hostname, probe name
+_RECORD = struct.Struct("<4sHHQQ36s64s32s4x")
+RECORD_BYTES = _RECORD.size
+"""Bytes each rank contributes to host detection."""
+
+_MAGIC = b"PDHR"
+_VERSION = 1
+_OK, _NO_SHM = 0, 1
+_PROBE_PREFIX = "pdist-probe-"
 
 
-def _shm_dir() -> str:
-    # /dev/shm is per host (per mount namespace); it is what two ranks on one host share.
+def shm_dir() -> str:
+    """The directory two ranks on one host share: ``/dev/shm`` (one per mount namespace)."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _segment_readable(name: str) -> bool:
-    path = os.path.join(_shm_dir(), name.split(":")[0])
-    token = name.split(":")[1] if ":" in name else ""
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()[:36]
+    except OSError:
+        return b""
+
+
+def _my_record(probe: str) -> bytes:
+    try:
+        st = os.stat(shm_dir())
+        status, dev, ino = _OK, st.st_dev, st.st_ino
+    except OSError:
+        status, dev, ino = _NO_SHM, 0, 0
+    host = socket.gethostname().encode(errors="replace")[:64]
+    return _RECORD.pack(_MAGIC, _VERSION, status, dev, ino, _boot_id(), host, probe.encode())
+
+
+def _simulated(mine: bytes, world_size: int, rank_in_group: int) -> bytes:
+    """What the all-gather would return in a simulated world (torch's fake process group).
+
+    A fake group moves no data, so the records of the other ranks are made up:
+    hosts of ``LOCAL_WORLD_SIZE`` ranks (one rank each when unset), told apart
+    by the inode field. Only the scale benchmark and tests run this.
+    """
+    magic, version, status, dev, ino, boot, host, probe = _RECORD.unpack(mine)
+    try:
+        per_host = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        per_host = 1
+    mine_host = rank_in_group // per_host
+    parts = []
+    for r in range(world_size):
+        shift = r // per_host - mine_host
+        parts.append(_RECORD.pack(magic, version, status, dev, ino + shift, boot, host, probe))
+    return b"".join(parts)
+
+
+def _gather_records(group: Group, mine: bytes) -> bytes:
+    """Every member's record, rank-major: one all-gather of fixed size on the CPU group."""
+    n = group.world_size
+    if n == 1:
+        return mine
+    pg = group.cpu_group
+    if str(dist.get_backend(pg)) == "fake":
+        return _simulated(mine, n, group.rank_in_group)
+    out = torch.empty(n * RECORD_BYTES, dtype=torch.uint8)
+    src = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, src, group=pg)
+    return bytes_of(out)
+
+
+def _parse(group: Group, data: bytes) -> list[tuple[bytes, str, str]]:
+    """Per member: ``(host key, hostname, probe name)``; the same verdict on every rank."""
+    out = []
+    for i, (magic, version, status, dev, ino, boot, host, probe) in enumerate(
+        _RECORD.iter_unpack(data)
+    ):
+        rank = group.ranks[i]
+        if magic != _MAGIC or version != _VERSION:
+            msg = (
+                f"host detection on group {group.name!r}: rank {rank} sent a malformed record "
+                "(the communicator is broken, or ranks run different pdist versions)"
+            )
+            raise PdistError(msg)
+        hostname = host.rstrip(b"\0").decode(errors="replace")
+        if status != _OK:
+            msg = (
+                f"host detection on group {group.name!r}: rank {rank} on host {hostname!r} "
+                f"cannot stat its shared-memory directory; check that /dev/shm is mounted"
+            )
+            raise PdistError(msg)
+        boot = boot.rstrip(b"\0") or host  # no boot id (not Linux): the hostname
+        key = struct.pack("<QQ", dev, ino) + boot
+        out.append((key, hostname, probe.rstrip(b"\0").decode(errors="replace")))
+    return out
+
+
+def _verdict(group: Group, failed: bool) -> int | None:
+    """The lowest group index that reported a failure, agreed with one all-reduce (or None)."""
+    if group.world_size == 1:
+        return group.rank_in_group if failed else None
+    n = group.world_size
+    flag = torch.tensor([n - 1 - group.rank_in_group if failed else -1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    worst = int(flag.item())
+    return None if worst < 0 else n - 1 - worst
+
+
+def _probe_matches(name: str) -> bool:
+    path = os.path.join(shm_dir(), _PROBE_PREFIX + name)
     try:
         with open(path, "rb") as f:
-            return f.read().decode() == token
+            return f.read(64) == name.encode()
     except OSError:
         return False
 
 
-def same_host_matrix(group: Group) -> list[list[bool]]:
-    """``m[i][j]``: whether group member ``i`` could open member ``j``'s shared-memory segment.
+def host_blocks(group: Group) -> list[tuple[int, ...]]:
+    """The members of ``group`` by host, as blocks of global ranks ordered by first rank.
 
-    Every member creates a small segment holding a random token, the names
-    are all-gathered, each member opens every other's, and the rows are
-    all-gathered: two collectives of fixed size on the CPU group. Each
-    segment is unlinked before returning, also when a collective fails.
+    Three collectives of fixed size per rank on the CPU group: the records, a
+    barrier after every probe segment exists, and the verdict. Each rank's
+    probe segment exists only between the last two, and is unlinked on every
+    path.
 
-    .. note:: All ranks of the group must call it.
+    .. note:: All ranks of the group must call it; all get the same blocks.
+
+    Raises:
+        PdistError: On every rank, when a rank cannot use its shared-memory
+            directory or create its probe, or when ranks that report one host
+            cannot open each other's probe (naming the rank).
     """
-    n = group.world_size
-    name = f"pdist-probe-{uuid.uuid4().hex}"
-    token = uuid.uuid4().hex
-    path = os.path.join(_shm_dir(), name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    probe = uuid.uuid4().hex
+    records = _parse(group, _gather_records(group, _my_record(probe)))
+    mine = records[group.rank_in_group][0]
+    candidates = {p for key, _, p in records if key == mine and p != probe}
+    path = os.path.join(shm_dir(), _PROBE_PREFIX + probe)
+    created = False
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(token.encode())
-        if n == 1:
-            return [[True]]
-        label = f"{name}:{token}".encode().ljust(_NAME_BYTES)
-        mine = torch.frombuffer(bytearray(label), dtype=torch.uint8)
-        names = [torch.empty(_NAME_BYTES, dtype=torch.uint8) for _ in range(n)]
-        dist.all_gather(names, mine, group=group.cpu_group)
-        labels = [bytes(t.tolist()).decode().strip() for t in names]
-        row = torch.tensor(
-            [j == group.rank_in_group or _segment_readable(labels[j]) for j in range(n)],
-            dtype=torch.uint8,
-        )
-        rows = [torch.empty(n, dtype=torch.uint8) for _ in range(n)]
-        # Doubles as the barrier after which no member opens our segment any more.
-        dist.all_gather(rows, row, group=group.cpu_group)
-        return [[bool(v) for v in r.tolist()] for r in rows]
+        error = None
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            created = True
+            with os.fdopen(fd, "wb") as f:
+                f.write(probe.encode())
+        except OSError as exc:
+            error = exc
+        bad = _verdict(group, error is not None)  # doubles as "every probe exists"
+        if bad is not None:
+            msg = (
+                f"host detection on group {group.name!r}: rank {group.ranks[bad]} could not "
+                f"create its probe in {shm_dir()} (full, read-only or not permitted?)"
+                + (f": {error}" if bad == group.rank_in_group and error is not None else "")
+            )
+            raise PdistError(msg)
+        unreadable = [p for p in candidates if not _probe_matches(p)]
+        bad = _verdict(group, bool(unreadable))
+        if bad is not None:
+            msg = (
+                f"host detection on group {group.name!r}: rank {group.ranks[bad]} shares a "
+                f"boot id and {shm_dir()} with other ranks but cannot open their probe "
+                "segments; check that the ranks of a host run as one user with one /dev/shm"
+            )
+            raise PdistError(msg)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    blocks: dict[bytes, list[int]] = {}
+    for rank, (key, _, _) in zip(group.ranks, records, strict=True):
+        blocks.setdefault(key, []).append(rank)
+    return [tuple(b) for b in blocks.values()]
 
 
-def same_node_ranks(group: Group | DistContext, source_rank: int = 0) -> list[int]:
-    """Global ranks of ``group`` that share a host with member ``source_rank`` (group-relative).
+def same_node_ranks(
+    group: Group | DistContext, src: int = 0, *, source_rank: int | None = None
+) -> list[int]:
+    """Global ranks of ``group`` that share a host with member ``src`` (group-relative).
 
-    Found through shared memory, not hostnames: a rank that cannot open the
-    source's segment counts as another host.
+    Found through shared memory, not hostnames or environment variables
+    (see the module's notes): three collectives of fixed size per rank.
 
     .. note:: All ranks of the group must call it; all get the same list.
 
+    Args:
+        group: The group (a context means its world).
+        src: Group index of the member whose host is asked for.
+        source_rank: Deprecated spelling of ``src`` (removed in the next release).
+
     Raises:
-        ValueError: ``source_rank`` is outside the group.
+        ValueError: ``src`` is outside the group.
+        PdistError: On every rank, when host detection fails (see :func:`host_blocks`).
     """
     g = as_group(group)
-    g.global_rank(source_rank, name="source_rank")
-    matrix = same_host_matrix(g)
-    return [g.ranks[i] for i in range(g.world_size) if matrix[i][source_rank]]
+    if source_rank is not None:
+        warnings.warn(
+            "same_node_ranks(source_rank=...) is deprecated; use src=",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        src = source_rank
+    wanted = g.global_rank(src)
+    for block in host_blocks(g):
+        if wanted in block:
+            return list(block)
+    return [wanted]  # unreachable: the blocks cover the group
 
 
 def node_partition(group: Group) -> list[tuple[int, ...]]:
-    """The hosts of ``group`` as blocks of global ranks, checked to be uniform.
+    """The hosts of ``group`` as blocks of global ranks, checked to hold equal numbers of ranks.
 
     Raises:
         PdistError: On every rank, when hosts hold different numbers of ranks
-            or the probe saw an inconsistent picture.
+            or host detection fails.
     """
-    matrix = same_host_matrix(group)
-    blocks: dict[tuple[int, ...], None] = {}
-    for i in range(group.world_size):
-        members = tuple(
-            group.ranks[j] for j in range(group.world_size) if matrix[i][j] and matrix[j][i]
-        )
-        blocks.setdefault(members, None)
-    partition = list(blocks)
-    seen = sorted(r for block in partition for r in block)
-    if seen != sorted(group.ranks):
-        msg = f"the shared-memory probe gave overlapping hosts {partition}; check /dev/shm"
-        raise PdistError(msg)
+    partition = host_blocks(group)
     sizes = {len(block) for block in partition}
     if len(sizes) > 1:
+        shown = partition if len(partition) <= 8 else [*partition[:8], "..."]
         msg = (
-            f"hosts hold different numbers of ranks: {partition}; launch the same number of "
+            f"hosts hold different numbers of ranks: {shown}; launch the same number of "
             "processes on every host"
         )
         raise PdistError(msg)
@@ -213,18 +353,27 @@ def gpu_cpu_affinity(device_index: int) -> frozenset[int]:
 def set_cpu_affinity(cpus: Iterable[int]) -> frozenset[int]:
     """Pin this process to ``cpus``, restricted to the CPUs it is allowed to use.
 
-    When none of ``cpus`` is allowed it logs a warning and keeps the current set.
+    ``cpus`` may be any iterable (it is read once). When none of ``cpus`` is
+    allowed it logs a warning and keeps the current set.
 
     Returns:
         The CPUs the process is pinned to afterwards.
+
+    Raises:
+        TypeError: ``cpus`` holds something that is not an int.
     """
+    requested = frozenset(cpus)
+    for cpu in requested:
+        if isinstance(cpu, bool) or not isinstance(cpu, int):
+            msg = f"cpus holds {cpu!r}; CPU indices are ints"
+            raise TypeError(msg)
     allowed = frozenset(os.sched_getaffinity(0))
-    wanted = frozenset(cpus) & allowed
+    wanted = requested & allowed
     if not wanted:
         logger.warning(
             "pdist: none of the CPUs %s is allowed for this process (allowed: %s); "
             "keeping the current affinity",
-            sorted(frozenset(cpus)),
+            sorted(requested),
             sorted(allowed),
         )
         return allowed
@@ -232,13 +381,24 @@ def set_cpu_affinity(cpus: Iterable[int]) -> frozenset[int]:
     return wanted
 
 
-def apply_gpu_affinity(device: torch.device) -> None:
-    """Pin to the CPUs near ``device`` when NVML can tell; otherwise a debug log."""
+def apply_gpu_affinity(device: torch.device) -> frozenset[int] | None:
+    """Pin to the CPUs near ``device`` when NVML can tell; a warning says why not otherwise.
+
+    Returns:
+        The affinity before, to restore on exit; None when nothing was changed.
+    """
     if device.type != "cuda" or device.index is None:
-        return
+        return None
     try:
         cpus = gpu_cpu_affinity(device.index)
     except (PdistError, ValueError) as exc:
-        logger.debug("pdist: skipping CPU affinity for %s: %s", device, exc)
-        return
+        logger.warning(
+            "pdist: not pinning CPU affinity for %s: %s (pass cpu_affinity=False to "
+            "distributed() to skip this)",
+            device,
+            exc,
+        )
+        return None
+    before = frozenset(os.sched_getaffinity(0))
     set_cpu_affinity(cpus)
+    return before

@@ -15,8 +15,8 @@ from torch import nn
 
 from . import _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES
-from ._context import DistContext, Group, as_group
 from ._errors import RankMismatchError
+from ._group import DistContext, Group, as_group
 from ._payload import Fill, place, process_group, staging
 from ._serialize import dtype_name
 

@@ -6,12 +6,18 @@ first chunk plus, only when longer, the rest, so small messages take a single
 collective. A rank that fails while preparing its part sends an error marker
 instead of its payload: then every rank raises the same :class:`RemoteError`
 (the failing one with its original error as the cause), and nobody waits.
+
+Nothing a peer sends here is unpickled: an error marker is a struct (the
+failing rank, the error's type name and text as UTF-8), and metadata records
+(:func:`exchange`) are JSON. Only the payloads a user asked to send are
+pickles, and those are decoded by the callers, through the safe unpickler
+when asked.
 """
 
 from __future__ import annotations
 
 import ctypes
-import pickle
+import json
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -19,21 +25,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._context import Group
 from ._errors import PdistError
+from ._group import Group
 
 __all__ = [
     "FIRST_MESSAGE_BYTES",
     "RemoteError",
+    "agree",
     "all_gather_bytes",
     "all_gather_into",
     "broadcast_bytes",
     "bytes_of",
     "exchange",
+    "frame",
     "gather_bytes",
     "recv_bytes",
+    "reraise_own",
     "send_bytes",
     "tensor_of",
+    "unframe",
 ]
 
 FIRST_MESSAGE_BYTES = 4096
@@ -41,6 +51,8 @@ FIRST_MESSAGE_BYTES = 4096
 
 _HEADER = struct.Struct("<Bq")  # status, body length
 _OK, _ERROR = 1, 2
+_MARKER = struct.Struct("<qI")  # failing rank, length of the error's type name (then the text)
+_MAX_MARKER_TEXT = 16 << 10
 
 
 class RemoteError(PdistError):
@@ -76,24 +88,49 @@ def all_gather_into(
     return gather(out, mine, group=pg, async_op=async_op)
 
 
-def _frame(payload: bytes | None, error: BaseException | None, rank: int) -> bytes:
-    if error is not None:
-        body = pickle.dumps((rank, type(error).__name__, str(error)))
-        return _HEADER.pack(_ERROR, len(body)) + body
-    body = payload or b""
-    return _HEADER.pack(_OK, len(body)) + body
+def _marker(rank: int, error: BaseException) -> bytes:
+    """An error marker's body: plain data, never a pickle."""
+    kind = type(error).__name__.encode()
+    text = str(error).encode(errors="replace")[:_MAX_MARKER_TEXT]
+    return _MARKER.pack(rank, len(kind)) + kind + text
+
+
+def _read_marker(body: bytes, group: Group, what: str) -> tuple[int, str, str]:
+    """``(rank, type name, text)`` of an error marker; a malformed one raises PdistError."""
+    if len(body) < _MARKER.size:
+        msg = f"{what} on group {group.name!r}: a peer sent a truncated error marker"
+        raise PdistError(msg)
+    rank, kind_len = _MARKER.unpack_from(body)
+    if kind_len > len(body) - _MARKER.size or rank not in group.ranks:
+        msg = f"{what} on group {group.name!r}: a peer sent a malformed error marker"
+        raise PdistError(msg)
+    kind = body[_MARKER.size : _MARKER.size + kind_len].decode(errors="replace")
+    text = body[_MARKER.size + kind_len :].decode(errors="replace")
+    return rank, kind, text
+
+
+def frame(payload: bytes | None, error: BaseException | None, rank: int) -> bytes:
+    """A message: header and ``payload``, or an error marker when ``error`` is given."""
+    body = _marker(rank, error) if error is not None else payload or b""
+    return _HEADER.pack(_ERROR if error is not None else _OK, len(body)) + body
 
 
 def _failure(group: Group, what: str, rank: int, kind: str, text: str) -> RemoteError:
     return RemoteError(f"{what} on group {group.name!r} failed on rank {rank}: {kind}: {text}")
 
 
-def _unframe(data: bytes, group: Group, what: str) -> bytes:
+def unframe(data: bytes, group: Group, what: str) -> bytes:
     """The body of a message, or raise the remote failure it carries."""
+    if len(data) < _HEADER.size:
+        msg = f"{what} on group {group.name!r}: a peer sent a truncated message"
+        raise PdistError(msg)
     status, length = _HEADER.unpack_from(data)
     body = data[_HEADER.size : _HEADER.size + length]
+    if length < 0 or len(body) != length:
+        msg = f"{what} on group {group.name!r}: corrupt message header (length {length})"
+        raise PdistError(msg)
     if status == _ERROR:
-        raise _failure(group, what, *pickle.loads(body))
+        raise _failure(group, what, *_read_marker(body, group, what))
     if status != _OK:
         msg = f"{what} on group {group.name!r}: corrupt message header (status {status})"
         raise PdistError(msg)
@@ -119,7 +156,8 @@ def _move(message: bytes | None, move: Callable[[torch.Tensor], object]) -> byte
     return bytes_of(first) + bytes_of(rest)
 
 
-def _reraise_own(error: BaseException | None, group: Group, what: str, rank: int) -> None:
+def reraise_own(error: BaseException | None, group: Group, what: str, rank: int) -> None:
+    """On the failing rank: raise the :class:`RemoteError` its peers raise, from ``error``."""
     if error is not None:
         raise _failure(group, what, rank, type(error).__name__, str(error)) from error
 
@@ -140,11 +178,11 @@ def broadcast_bytes(
     src_global = group.global_rank(src)
     pg = group.cpu_group
     is_src = group.rank_in_group == src
-    message = _frame(payload, error, group.rank) if is_src else None
+    message = frame(payload, error, group.rank) if is_src else None
     data = _move(message, lambda t: dist.broadcast(t, src=src_global, group=pg))
     if is_src:
-        _reraise_own(error, group, what, group.rank)
-    return _unframe(data, group, what)
+        reraise_own(error, group, what, group.rank)
+    return unframe(data, group, what)
 
 
 def send_bytes(
@@ -158,8 +196,8 @@ def send_bytes(
     """Send ``payload`` to group index ``dst`` (which calls :func:`recv_bytes`)."""
     dst_global = group.global_rank(dst, name="dst")
     pg = group.cpu_group
-    _move(_frame(payload, error, group.rank), lambda t: dist.send(t, dst=dst_global, group=pg))
-    _reraise_own(error, group, what, group.rank)
+    _move(frame(payload, error, group.rank), lambda t: dist.send(t, dst=dst_global, group=pg))
+    reraise_own(error, group, what, group.rank)
 
 
 def recv_bytes(group: Group, src: int, *, what: str = "recv") -> bytes:
@@ -167,7 +205,7 @@ def recv_bytes(group: Group, src: int, *, what: str = "recv") -> bytes:
     src_global = group.global_rank(src)
     pg = group.cpu_group
     data = _move(None, lambda t: dist.recv(t, src=src_global, group=pg))
-    return _unframe(data, group, what)
+    return unframe(data, group, what)
 
 
 def _exchange_sizes(group: Group, message: bytes) -> tuple[list[int], bool]:
@@ -190,8 +228,8 @@ def _all_gather_messages(group: Group, message: bytes, lengths: list[int]) -> li
 def _unframe_all(messages: list[bytes], group: Group, what: str) -> list[bytes]:
     failures = [m for m in messages if m[0] != _OK]
     if failures:
-        _unframe(failures[0], group, what)
-    return [_unframe(m, group, what) for m in messages]
+        unframe(failures[0], group, what)
+    return [unframe(m, group, what) for m in messages]
 
 
 def all_gather_bytes(
@@ -207,7 +245,7 @@ def all_gather_bytes(
     otherwise. A rank that passes ``error`` sends an error marker; then every
     rank raises the same :class:`RemoteError`, naming the first failing rank.
     """
-    message = _frame(payload, error, group.rank)
+    message = frame(payload, error, group.rank)
     size, pg = FIRST_MESSAGE_BYTES, group.cpu_group
     firsts = [torch.empty(size, dtype=torch.uint8) for _ in group.ranks]
     dist.all_gather(firsts, tensor_of(message[:size], size), group=pg)
@@ -240,7 +278,7 @@ def gather_bytes(
     :class:`RemoteError`.
     """
     dst_global = group.global_rank(dst, name="dst")
-    message = _frame(payload, error, group.rank)
+    message = frame(payload, error, group.rank)
     lengths, failed = _exchange_sizes(group, message)
     if failed:
         _unframe_all(_all_gather_messages(group, message, lengths), group, what)
@@ -256,13 +294,41 @@ def gather_bytes(
 
 
 def exchange(group: Group, record: Any, *, what: str = "metadata exchange") -> list[Any]:
-    """All-gather a small picklable ``record`` from every rank (pdist's own metadata only).
+    """All-gather a small plain-data ``record`` from every rank, as JSON (never pickle).
 
-    If the record cannot be pickled on some rank, every rank raises.
+    ``record`` holds only what JSON carries (dicts with str keys, lists,
+    str, int, float, bool, None); tuples arrive as lists. If it cannot be
+    encoded on some rank, every rank raises; a record that does not decode
+    raises :class:`~pdist.PdistError` on the receiver.
     """
     try:
-        payload: bytes | None = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+        payload: bytes | None = json.dumps(record, separators=(",", ":")).encode()
         error = None
-    except Exception as exc:
+    except (TypeError, ValueError) as exc:
         payload, error = None, exc
-    return [pickle.loads(b) for b in all_gather_bytes(group, payload, error=error, what=what)]
+    out = []
+    for rank, data in zip(
+        group.ranks, all_gather_bytes(group, payload, error=error, what=what), strict=True
+    ):
+        try:
+            out.append(json.loads(data))
+        except (UnicodeDecodeError, ValueError):
+            msg = f"{what} on group {group.name!r}: rank {rank} sent a record that is not JSON"
+            raise PdistError(msg) from None
+    return out
+
+
+def agree(group: Group, digest: bytes) -> bool:
+    """Whether every rank of ``group`` passed the same ``digest`` (one small all-reduce).
+
+    Compares the first 63 bits: the maximum and the minimum over the group
+    (``max(-h)``) are equal exactly when all agree. The CPU group carries it.
+
+    .. note:: All ranks of the group must call it.
+    """
+    if group.world_size == 1:
+        return True
+    h = int.from_bytes(digest[:8], "little", signed=False) >> 1
+    both = torch.tensor([h, -h], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    return int(both[0]) == -int(both[1])

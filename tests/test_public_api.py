@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pdist
 
@@ -15,6 +17,7 @@ PUBLIC = {
     "patch_tp",
     "new_tp_group",
     "new_sp_group",
+    "new_group",
     "device_mesh",
     # ranks
     "is_rank0",
@@ -82,6 +85,13 @@ def test_all_is_sorted_and_complete():
         n for n in dir(pdist) if not n.startswith("_") and n not in {"testing", "annotations"}
     }
     assert exported == PUBLIC
+
+
+def test_every_public_name_is_in_the_api_reference():
+    """docs/api.md documents every name of __all__ (and nothing that is gone)."""
+    api = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: pdist\.(\w+)$", api, flags=re.MULTILINE))
+    assert documented == set(pdist.__all__)
 
 
 def test_importing_pdist_does_not_import_pytest():

@@ -58,6 +58,9 @@ def _sleep_forever_on(rank: int) -> None:
 
 def test_timeout_dumps_stacks_and_kills():
     """A hanging rank times out; its stack is dumped and the run ends."""
+    # Warm workers first: a fresh pool spends seconds importing torch, which would count
+    # against the 2 s and leave rank 0 "still running" too.
+    spawn(_rank_and_pid, 2, 0)
     start = time.monotonic()
     with pytest.raises(SpawnError, match=r"timed out after 2s; ranks \[1\]") as info:
         spawn(_sleep_forever_on, 2, 1, timeout=2)

@@ -1,0 +1,512 @@
+"""Building communicators: the world, one partition per axis, arbitrary rank lists, the mesh.
+
+Cost per rank stays O(W) in time and memory at any world size:
+
+- With an accelerator-bound default group (NCCL with ``device_id=``), a
+  partition's device groups come from one ``split_group`` over the world: one
+  world-wide ``ncclCommSplit`` per partition, instead of one per block (and a
+  no-color split by every non-member of every ``new_group``).
+- Otherwise (gloo, or no bound device) every rank creates only its own
+  block's group (``use_local_synchronization=True``): one call per partition.
+- The gloo groups that carry metadata next to an accelerator backend are made
+  by their members only, and connect lazily (``TORCH_GLOO_LAZY_INIT``), so a
+  gloo world group does not have every rank read every other rank's W
+  addresses from the rendezvous store at start-up.
+- A partition equal to one already built in the block (``node`` equal to
+  ``tp``, the all-singletons partition of two size-1 axes, ``dp`` equal to the
+  world) reuses its groups.
+
+torch names the groups of a local-synchronization ``new_group`` and of
+``split_group`` by hashing their ranks with the number of groups the process
+has registered so far, so members must agree on that count. Every partition
+build therefore registers the same number of groups on every rank: a rank that
+belongs to no block of :func:`new_group` still builds (and holds until the
+block exits) a group of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from . import _wire
+from ._errors import PdistError, RankMismatchError
+from ._group import DistContext, Group, Lifetime, ProcessGroup
+from ._layout import AXES, GROUP_AXES, Layout, consecutive_groups, make_layout
+
+__all__ = [
+    "build_axes",
+    "build_partition",
+    "build_world",
+    "device_mesh",
+    "new_group",
+    "new_sp_group",
+    "new_tp_group",
+    "patch_tp",
+]
+
+Blocks = tuple[tuple[int, ...], ...]
+
+# Backends whose groups can carry pdist's metadata themselves (no separate gloo group).
+_SELF_CPU_BACKENDS = ("gloo", "fake")
+
+
+@attrs.frozen
+class _Built:
+    """A partition as built in one block: the caller's block and its two group keys."""
+
+    ranks: tuple[int, ...]
+    device_key: int
+    cpu_key: int
+    member: bool  # False: the caller is in no block and holds a group of its own
+
+
+@contextlib.contextmanager
+def _lazy_gloo() -> Iterator[None]:
+    """Create gloo groups that connect pairs on first use (unless the user chose a mode).
+
+    Every member of a pdist gloo group creates it under the same setting, which
+    gloo requires. Restores the environment afterwards.
+    """
+    if "TORCH_GLOO_LAZY_INIT" in os.environ:
+        yield
+        return
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+
+
+def _backend_of(pg: ProcessGroup) -> str:
+    return str(dist.get_backend(pg)).lower()
+
+
+def _splits(world: Group) -> bool:
+    """Whether device groups are split from the world (an accelerator-bound default group)."""
+    pg = world.device_group
+    return world.device.type != "cpu" and getattr(pg, "bound_device_id", None) is not None
+
+
+def build_world(
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    lifetime: Lifetime,
+    timeout: timedelta,
+) -> Group:
+    """The ``world`` Group over the default process group (plus a gloo group when needed).
+
+    .. note:: Every rank of the job must call it.
+    """
+    world_pg = dist.group.WORLD
+    if world_pg is None:
+        msg = "the default process group is not initialized"
+        raise PdistError(msg)
+    device_key = lifetime.add(world_pg, created=False)
+    cpu_key = device_key
+    if _backend_of(world_pg) not in _SELF_CPU_BACKENDS:
+        with _lazy_gloo():
+            cpu_pg = dist.new_group(
+                backend="gloo", timeout=timeout, use_local_synchronization=True, group_desc="world"
+            )
+        cpu_key = lifetime.add(cpu_pg, created=True)
+    ranks = tuple(range(world_size))
+    world = Group(
+        name="world",
+        ranks=ranks,
+        rank=rank,
+        rank_in_group=rank,
+        device=device,
+        timeout=timeout,
+        lifetime=lifetime,
+        device_key=device_key,
+        cpu_key=cpu_key,
+    )
+    lifetime.cache[("partition", (ranks,))] = _Built(ranks, device_key, cpu_key, True)
+    return world
+
+
+def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
+    """``blocks`` plus a singleton for every rank in none, and the ranks so added."""
+    covered = bytearray(world_size)
+    for block in blocks:
+        for r in block:
+            covered[r] = 1
+    extra = [r for r in range(world_size) if not covered[r]]
+    return (*blocks, *((r,) for r in extra)), set(extra)
+
+
+def _my_block(blocks: Blocks, rank: int) -> tuple[int, ...]:
+    for block in blocks:
+        if rank in block:
+            return block
+    msg = f"rank {rank} is in no block of the partition"  # _complete covers every rank
+    raise PdistError(msg)
+
+
+def _create(
+    world: Group, blocks: Blocks, mine: tuple[int, ...], name: str, timeout: timedelta
+) -> tuple[ProcessGroup, ProcessGroup]:
+    """The device and CPU process groups of the caller's block ``mine``."""
+    world_device = world.device_group
+    backend = _backend_of(world_device)
+    if _splits(world):
+        device_pg = dist.split_group(
+            parent_pg=world_device,
+            split_ranks=[list(b) for b in blocks],
+            timeout=timeout,
+            group_desc=name,
+        )
+        if device_pg is None:  # every rank is in a block (see _complete)
+            msg = f"split_group gave rank {world.rank} no group for partition {name!r}"
+            raise PdistError(msg)
+    else:
+        with contextlib.ExitStack() as stack:
+            if backend == "gloo":
+                stack.enter_context(_lazy_gloo())
+            device_pg = dist.new_group(
+                list(mine),
+                timeout=timeout,
+                backend=backend,
+                use_local_synchronization=True,
+                group_desc=name,
+            )
+    if world.cpu_group is world_device:
+        return device_pg, device_pg
+    with _lazy_gloo():
+        cpu_pg = dist.new_group(
+            list(mine),
+            timeout=timeout,
+            backend="gloo",
+            use_local_synchronization=True,
+            group_desc=f"{name}_cpu",
+        )
+    return device_pg, cpu_pg
+
+
+def build_partition(
+    world: Group, name: str, blocks: Sequence[Sequence[int]], *, timeout: timedelta
+) -> Group | None:
+    """The caller's Group of a partition of the world into ``blocks``; None if it is in none.
+
+    ``blocks`` are disjoint lists of global ranks, the same on every rank (not
+    checked here). A partition already built in this block is reused.
+
+    .. note:: Every rank of the world must call it, in the same order as other group builds.
+    """
+    lifetime = world.lifetime
+    lifetime.check_open()
+    canonical: Blocks = tuple(tuple(int(r) for r in b) for b in blocks)
+    key = ("partition", canonical)
+    built = lifetime.cache.get(key)
+    if built is None:
+        full, extra = _complete(canonical, world.world_size)
+        mine = _my_block(full, world.rank)
+        device_pg, cpu_pg = _create(world, full, mine, name, timeout)
+        device_key = lifetime.add(device_pg, created=True)
+        cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
+        built = _Built(mine, device_key, cpu_key, world.rank not in extra)
+        lifetime.cache[key] = built
+    assert isinstance(built, _Built)
+    if not built.member:
+        return None
+    return Group(
+        name=name,
+        ranks=built.ranks,
+        rank=world.rank,
+        rank_in_group=built.ranks.index(world.rank),
+        device=world.device,
+        timeout=timeout,
+        lifetime=lifetime,
+        device_key=built.device_key,
+        cpu_key=built.cpu_key,
+    )
+
+
+def _require(group: Group | None, name: str) -> Group:
+    if group is None:  # a partition covers every rank
+        msg = f"rank is in no block of the {name!r} partition"
+        raise PdistError(msg)
+    return group
+
+
+def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str, Group]:
+    """The ``tp``, ``sp``, ``dp`` and ``dp_sp`` groups of the caller (one build per partition).
+
+    .. note:: Every rank of the world must call it.
+    """
+    return {
+        axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
+        for axis in ("tp", "sp", "dp", "dp_sp")
+    }
+
+
+# --------------------------------------------------------------------------- public
+
+
+def _check_ctx(ctx: object) -> DistContext:
+    if not isinstance(ctx, DistContext):
+        msg = f"ctx={ctx!r} must be a pdist DistContext"
+        raise TypeError(msg)
+    return ctx
+
+
+@contextlib.contextmanager
+def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
+    """Yield a new context whose ``tp`` group is ``group``; ``ctx`` itself is untouched.
+
+    Nests freely (each level is a separate value), and nothing needs undoing
+    when the block raises. Use it to run a model with another TP degree, e.g.
+    one built with :func:`new_tp_group`.
+
+    Raises:
+        TypeError: ``ctx`` or ``group`` has the wrong type.
+        ValueError: The caller's rank is not in ``group``.
+    """
+    _check_ctx(ctx)
+    if not isinstance(group, Group):
+        msg = f"group={group!r} must be a pdist Group"
+        raise TypeError(msg)
+    if ctx.rank not in group.ranks:
+        msg = f"group {group.name!r} with ranks {group.ranks} does not contain rank {ctx.rank}"
+        raise ValueError(msg)
+    yield attrs.evolve(ctx, tp=group)
+
+
+def _agreed_or_raise(world: Group, what: str, summary: str, error: Exception | None) -> None:
+    """Check every rank passed the same arguments; raise the same error on every rank.
+
+    ``summary`` describes this rank's arguments and ``error`` is its own
+    validation error, if any. One small all-reduce compares digests; only when
+    they differ do the ranks exchange short descriptions, for the message.
+    """
+    text = f"{type(error).__name__}: {error}" if error is not None else summary
+    digest = hashlib.sha256(text.encode()).digest()
+    if world.world_size > 1 and not _wire.agree(world, digest):
+        short = text if len(text) <= 200 else text[:197] + "..."
+        records = _wire.exchange(world, short, what=what)
+        by_text: dict[str, list[int]] = {}
+        for r, t in enumerate(records):
+            by_text.setdefault(str(t), []).append(world.ranks[r])
+        parts = "; ".join(f"ranks {ranks}: {t}" for t, ranks in by_text.items())
+        msg = f"{what}: ranks passed different arguments; {parts}"
+        raise RankMismatchError(msg)
+    if error is not None:
+        raise type(error)(f"{what}: {error}")
+
+
+def _consecutive(ctx: DistContext, size: int, name: str) -> Group:
+    _check_ctx(ctx)
+    ctx.world.lifetime.check_open()
+    try:
+        blocks, error = consecutive_groups(ctx.world_size, size, name="size"), None
+    except (TypeError, ValueError) as exc:
+        blocks, error = (), exc
+    _agreed_or_raise(ctx.world, f"new group {name!r}", f"size={size!r}", error)
+    timeout = ctx.tp.timeout
+    return _require(build_partition(ctx.world, name, blocks, timeout=timeout), name)
+
+
+def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
+    """Build tensor-parallel groups of ``size`` consecutive ranks over the whole world.
+
+    For a second model with another TP degree; use it with :func:`patch_tp`.
+    Asking twice for the same size returns groups over the same communicators.
+    The groups live until the context's ``distributed()`` block exits.
+
+    .. note:: Every rank of the world must call it, in the same order as other
+       group creations. Ranks that pass different sizes all raise
+       :class:`~pdist.RankMismatchError`.
+
+    Returns:
+        The group holding the caller (ranks ``size * (rank // size)`` onwards).
+
+    Raises:
+        ValueError: ``size`` does not divide the world size (on every rank).
+        RankMismatchError: Ranks passed different sizes (on every rank).
+        PdistError: The context is closed.
+    """
+    return _consecutive(ctx, size, name or f"tp{size}")
+
+
+def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
+    """Build sequence-parallel groups of ``size`` consecutive ranks over the whole world.
+
+    With ``distributed(sp=N)`` and ``new_tp_group(ctx, M)`` the tp and sp groups
+    are two partitions of the same ranks into consecutive blocks, as in
+    FastVideo (see the porting guide).
+
+    .. note:: Every rank of the world must call it, in the same order as other
+       group creations.
+
+    Returns:
+        The group holding the caller.
+
+    Raises:
+        ValueError: ``size`` does not divide the world size (on every rank).
+        RankMismatchError: Ranks passed different sizes (on every rank).
+        PdistError: The context is closed.
+    """
+    return _consecutive(ctx, size, name or f"sp{size}")
+
+
+def _check_rank_lists(rank_lists: object, world_size: int) -> Blocks:
+    if isinstance(rank_lists, (str, bytes)) or not isinstance(rank_lists, Sequence):
+        msg = f"rank_lists={rank_lists!r} must be a list of lists of global ranks"
+        raise TypeError(msg)
+    blocks: list[tuple[int, ...]] = []
+    owner: dict[int, int] = {}
+    for i, ranks in enumerate(rank_lists):
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
+            msg = f"rank_lists[{i}]={ranks!r} must be a non-empty list of global ranks"
+            raise TypeError(msg)
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int):
+                msg = f"rank_lists[{i}] holds {r!r}, which is not an int rank"
+                raise TypeError(msg)
+            if not 0 <= r < world_size:
+                msg = (
+                    f"rank_lists[{i}] holds rank {r}, outside the world of size {world_size}; "
+                    f"use global ranks 0..{world_size - 1}"
+                )
+                raise ValueError(msg)
+            if r in owner:
+                where = "twice" if owner[r] == i else f"in rank_lists[{owner[r]}] and [{i}]"
+                msg = f"rank {r} appears {where}; the lists must be disjoint"
+                raise ValueError(msg)
+            owner[r] = i
+        blocks.append(tuple(ranks))
+    if not blocks:
+        msg = "rank_lists is empty; pass at least one list of global ranks"
+        raise ValueError(msg)
+    return tuple(blocks)
+
+
+def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: str) -> Group | None:
+    """Build one group per list of global ranks; return the caller's, or None if it is in none.
+
+    The equivalent of ``init_model_parallel_group(group_ranks, ...)``: pipeline
+    stages, classifier-free-guidance pairs, strided groups. Lists keep their
+    order (``ranks`` follows it), must be disjoint and may leave ranks out.
+    The communicators are built as for the axis groups (one call per rank,
+    or one split of the world on an accelerator).
+
+    .. note:: Every rank of the world must call it with the same lists, in the
+       same order as other group creations. Lists that differ between ranks,
+       overlap or name ranks outside the world raise the same error on every
+       rank, before any communicator is built.
+
+    Example::
+
+        stage = pdist.new_group(ctx, [[0, 2], [1, 3]], name="pp")  # rank 2: ranks (0, 2)
+
+    Args:
+        ctx: The context.
+        rank_lists: Disjoint lists of global ranks.
+        name: What the groups are for (``Group.name``).
+
+    Returns:
+        The group holding the caller, or None.
+
+    Raises:
+        TypeError: ``rank_lists`` is not a list of lists of ints, or ``name`` is not a str.
+        ValueError: The lists overlap, are empty or hold ranks outside the world
+            (on every rank).
+        RankMismatchError: Ranks passed different lists (on every rank).
+        PdistError: The context is closed.
+    """
+    _check_ctx(ctx)
+    if not isinstance(name, str) or not name:
+        msg = f"name={name!r} must be a non-empty str"
+        raise TypeError(msg)
+    ctx.world.lifetime.check_open()
+    try:
+        blocks, error = _check_rank_lists(rank_lists, ctx.world_size), None
+    except (TypeError, ValueError) as exc:
+        blocks, error = (), exc
+    _agreed_or_raise(ctx.world, f"new_group(name={name!r})", repr(blocks), error)
+    return build_partition(ctx.world, name, blocks, timeout=ctx.tp.timeout)
+
+
+def _mesh_axes(axes: object) -> tuple[str, ...]:
+    if axes is None:
+        return AXES
+    if isinstance(axes, str) or not isinstance(axes, tuple) or not axes:
+        msg = f"axes={axes!r} must be None or a non-empty tuple of axis names such as ('dp',)"
+        raise TypeError(msg)
+    order = {a: i for i, a in enumerate(GROUP_AXES)}
+    for axis in axes:
+        if axis not in order:
+            msg = f"axes={axes!r}: {axis!r} is not one of {GROUP_AXES}"
+            raise ValueError(msg)
+    if len(set(axes)) != len(axes):
+        msg = f"axes={axes!r} names an axis twice"
+        raise ValueError(msg)
+    if "dp_sp" in axes and ("dp" in axes or "sp" in axes):
+        msg = f"axes={axes!r}: 'dp_sp' already holds 'dp' and 'sp'; use ('dp_sp', ...) alone"
+        raise ValueError(msg)
+    rank = {"dp": 0, "sp": 1, "dp_sp": 1, "tp": 2}
+    if [rank[a] for a in axes] != sorted(rank[a] for a in axes):
+        msg = f"axes={axes!r} must go from slowest to fastest axis: dp, sp (or dp_sp), tp"
+        raise ValueError(msg)
+    return axes
+
+
+def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
+    """A ``DeviceMesh`` over the context's own groups: the full ``(dp, sp, tp)`` mesh or a sub-mesh.
+
+    ``axes=None`` gives the 3-D mesh with ``mesh_dim_names == ("dp", "sp",
+    "tp")``. A tuple of axis names gives the sub-mesh holding the caller, ready
+    for FSDP2 (``fully_shard`` takes 1-D or 2-D meshes): ``("dp",)``,
+    ``("dp_sp",)`` (shard over data and sequence parallel ranks together),
+    ``("dp", "sp")`` (HSDP: replicate over dp, shard over sp), ``("tp",)``.
+    On 4 ranks with ``tp=2``, rank 1 gets for ``("dp_sp",)`` the mesh ``[1, 3]``.
+
+    The mesh reuses the context's process groups (no new communicator), so
+    FSDP2/DTensor code runs inside a pdist context. Release the mesh (and
+    whatever holds it) before the ``distributed()`` block exits.
+
+    Args:
+        ctx: The context.
+        axes: None, or axis names from ``("dp", "sp", "dp_sp", "tp")``, slowest first.
+
+    Raises:
+        TypeError: ``axes`` is not None or a tuple.
+        ValueError: An unknown or repeated axis, ``dp_sp`` with ``dp`` or ``sp``,
+            or axes out of order.
+        PdistError: The context is closed.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    _check_ctx(ctx)
+    names = _mesh_axes(axes)
+    layout = make_layout(ctx.world_size, tp=ctx.tp.world_size, sp=ctx.sp.world_size)
+    grid = torch.arange(ctx.world_size, dtype=torch.int).view(layout.dp, layout.sp, layout.tp)
+    d, s, t = layout.coords(ctx.rank)
+    if "dp_sp" in names:
+        grid = grid.reshape(layout.dp * layout.sp, layout.tp)
+        index: list[Any] = [slice(None), slice(None) if "tp" in names else t]
+    else:
+        index = [
+            slice(None) if "dp" in names else d,
+            slice(None) if "sp" in names else s,
+            slice(None) if "tp" in names else t,
+        ]
+    mesh = grid[tuple(index)].contiguous()
+    groups = [getattr(ctx, axis).device_group for axis in names]
+    return DeviceMesh.from_group(
+        groups if len(groups) > 1 else groups[0],
+        ctx.device.type,
+        mesh=mesh,
+        mesh_dim_names=names,
+    )
