@@ -20,7 +20,6 @@ import socket
 import struct
 import tempfile
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -217,10 +216,8 @@ def host_blocks(group: Group) -> list[tuple[int, ...]]:
     return [tuple(b) for b in blocks.values()]
 
 
-def same_node_ranks(
-    group: Group | DistContext, src: int = 0, *, source_rank: int | None = None
-) -> list[int]:
-    """Global ranks of ``group`` that share a host with member ``src`` (group-relative).
+def same_node_ranks(group: Group | DistContext, source_rank: int = 0) -> list[int]:
+    """Global ranks of ``group`` that share a host with member ``source_rank`` (group-relative).
 
     Found through shared memory, not hostnames or environment variables
     (see the module's notes): three collectives of fixed size per rank.
@@ -229,22 +226,15 @@ def same_node_ranks(
 
     Args:
         group: The group (a context means its world).
-        src: Group index of the member whose host is asked for.
-        source_rank: Deprecated spelling of ``src`` (removed in the next release).
+        source_rank: Group index of the member whose host is asked for (like every
+            ``src`` in pdist, an index into ``group.ranks``, not a global rank).
 
     Raises:
-        ValueError: ``src`` is outside the group.
+        ValueError: ``source_rank`` is outside the group.
         PdistError: On every rank, when host detection fails (see :func:`host_blocks`).
     """
     g = as_group(group)
-    if source_rank is not None:
-        warnings.warn(
-            "same_node_ranks(source_rank=...) is deprecated; use src=",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        src = source_rank
-    wanted = g.global_rank(src)
+    wanted = g.global_rank(source_rank, name="source_rank")
     for block in host_blocks(g):
         if wanted in block:
             return list(block)

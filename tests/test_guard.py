@@ -92,7 +92,7 @@ TWO_HOSTS = """
     import pdist
     with pdist.distributed() as ctx:
         print("NODE", list(ctx.node.ranks), flush=True)
-        print("SAME", pdist.same_node_ranks(ctx, src=2), flush=True)
+        print("SAME", pdist.same_node_ranks(ctx, source_rank=2), flush=True)
 """
 
 

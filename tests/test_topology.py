@@ -91,11 +91,9 @@ def test_same_node_ranks_on_one_host(ctx):
     """On one host every rank shares the source's host; the probe leaves no /dev/shm entry."""
     before = set(os.listdir("/dev/shm"))
     for source in range(ctx.world_size):
-        assert pdist.same_node_ranks(ctx, src=source) == list(range(ctx.world_size))
+        assert pdist.same_node_ranks(ctx, source_rank=source) == list(range(ctx.world_size))
     pdist.barrier(ctx)
     leftovers = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("pdist-probe")}
     assert leftovers == set()
-    with pytest.raises(ValueError, match="src=9 is outside"):
-        pdist.same_node_ranks(ctx, src=9)
-    with pytest.warns(DeprecationWarning, match="source_rank"):
-        assert pdist.same_node_ranks(ctx, source_rank=0) == list(range(ctx.world_size))
+    with pytest.raises(ValueError, match="source_rank=9 is outside"):
+        pdist.same_node_ranks(ctx, source_rank=9)
