@@ -37,7 +37,49 @@ def _parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="a short run (under a minute on 2 CPU ranks)"
     )
     bench.add_argument("--json", metavar="PATH", default=None, help="write every figure to PATH")
+    bench.add_argument(
+        "--simulate-world",
+        metavar="W[,W...]",
+        type=_worlds,
+        default=None,
+        help="measure start-up on simulated worlds of W ranks (torch's fake process group) "
+        "next to init_device_mesh, instead of timing collectives; 'default' = "
+        "512,4096,8192,16384",
+    )
     return parser
+
+
+def _worlds(text: str) -> list[int]:
+    from ._scale import DEFAULT_WORLDS
+
+    if text == "default":
+        return list(DEFAULT_WORLDS)
+    worlds = [_positive(part) for part in text.split(",") if part.strip()]
+    for w in worlds:
+        if w % 8:
+            msg = f"{w} is not a multiple of 8 (the simulated job uses tp=8 and 8 ranks per host)"
+            raise argparse.ArgumentTypeError(msg)
+    if not worlds:
+        msg = "give at least one world size"
+        raise argparse.ArgumentTypeError(msg)
+    return worlds
+
+
+def _simulate(worlds: list[int], json_path: str | None) -> int:
+    from ._scale import format_table, measure
+
+    rows = []
+    for w in worlds:
+        for mode in ("pdist", "mesh", "pdist-split"):
+            sys.stderr.write(f"simulating W={w} ({mode})\n")
+            rows.append(measure(w, mode))
+    print("pdist bench --simulate-world: one simulated rank of a W-rank job, tp=8, 8 ranks/host")
+    print(format_table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {len(rows)} records to {json_path}")
+    return 0
 
 
 def _format(records: list[dict[str, Any]]) -> str:
@@ -54,6 +96,8 @@ def _format(records: list[dict[str, Any]]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.simulate_world is not None:
+        return _simulate(args.simulate_world, args.json)
     from ._bench_cases import bench_rank as _bench_rank
 
     if "RANK" in os.environ and args.nproc is None:

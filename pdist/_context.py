@@ -168,8 +168,9 @@ class _Distributed:
         launch = settings.launch
         self._bind_device()
         store = self._open_store(deadline)
-        deadline.stage = "checking in with the rendezvous store"
-        deadline.check_in(store, "startup")
+        if settings.backend != "fake":  # a simulated world (torch's fake group) has no real store
+            deadline.stage = "checking in with the rendezvous store"
+            deadline.check_in(store, "startup")
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
         deadline.stage = "building the world groups"

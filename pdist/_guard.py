@@ -74,17 +74,20 @@ def default_store() -> Store | None:
 def _missing(store: Store, keys: list[str]) -> list[int] | None:
     """The indices of ``keys`` absent from ``store``, read with a bounded wait (None: no answer).
 
-    Chunked: one round trip per chunk, then one per key of the incomplete chunks.
-    The reading thread may hang on a dead store; the watchdog never waits on it.
+    Reads through a clone of ``store`` (its own connection): the stuck main thread
+    may hold the original's. Chunked: one round trip per chunk, then one per key
+    of the incomplete chunks. The reading thread may hang on a dead store; the
+    watchdog never waits on it.
     """
     found: list[int] = []
     done = threading.Event()
 
     def read() -> None:
+        reader = store.clone() if hasattr(store, "clone") else store
         for start in range(0, len(keys), _CHECK_CHUNK):
             chunk = keys[start : start + _CHECK_CHUNK]
-            if not store.check(chunk):
-                found.extend(start + i for i, key in enumerate(chunk) if not store.check([key]))
+            if not reader.check(chunk):
+                found.extend(start + i for i, key in enumerate(chunk) if not reader.check([key]))
         done.set()
 
     threading.Thread(target=read, name="pdist-checkin-read", daemon=True).start()
@@ -194,8 +197,12 @@ class Deadline:
             f"{self._describe_missing()}. {self.hint}, or find out why those ranks are late. "
             f"Exiting with code {WORLD_COMM_TIMEOUT_EXIT_CODE}."
         )
-        logger.error(message)
-        sys.stderr.write(message + "\n")
+        if logger.hasHandlers():
+            logger.error(message)
+        else:  # logging is not configured: still say why the process ends, once
+            sys.stderr.write(message + "\n")
+        for handler in logging.getLogger().handlers + logger.handlers:
+            handler.flush()
         sys.stderr.flush()
         os._exit(WORLD_COMM_TIMEOUT_EXIT_CODE)
 

@@ -94,7 +94,9 @@ def _simulated(mine: bytes, world_size: int, rank_in_group: int) -> bytes:
     parts = []
     for r in range(world_size):
         shift = r // per_host - mine_host
-        parts.append(_RECORD.pack(magic, version, status, dev, ino + shift, boot, host, probe))
+        parts.append(
+            _RECORD.pack(magic, version, status, dev, (ino + shift) % 2**64, boot, host, probe)
+        )
     return b"".join(parts)
 
 
@@ -104,12 +106,12 @@ def _gather_records(group: Group, mine: bytes) -> bytes:
     if n == 1:
         return mine
     pg = group.cpu_group
-    if str(dist.get_backend(pg)) == "fake":
-        return _simulated(mine, n, group.rank_in_group)
     out = torch.empty(n * RECORD_BYTES, dtype=torch.uint8)
     src = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, src, group=pg)
+    if str(dist.get_backend(pg)) == "fake":  # the simulated all-gather moved no data
+        return _simulated(mine, n, group.rank_in_group)
     return bytes_of(out)
 
 

@@ -6,8 +6,17 @@ import logging
 from datetime import timedelta
 
 import pytest
+import torch
 
-from pdist._env import detect_launch, env_backend, env_seconds, to_seconds
+from pdist._env import (
+    Accelerator,
+    Adopted,
+    detect_launch,
+    env_backend,
+    env_seconds,
+    resolve_settings,
+    to_seconds,
+)
 
 TABLE = [
     # raw value, expected, warns
@@ -108,3 +117,114 @@ def test_env_backend():
     assert env_backend({"PDIST_BACKEND": "GLOO"}) == "gloo"
     assert env_backend({"PDIST_BACKEND": " "}) is None
     assert env_backend({}) is None
+
+
+# --------------------------------------------------------------------------- settings
+
+TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "h",
+    "MASTER_PORT": "5",
+}
+CUDA8 = Accelerator(type="cuda", count=8, backend="nccl")
+
+
+def _settings(environ=None, accelerator=None, **kwargs):
+    return resolve_settings(
+        environ=TORCHRUN if environ is None else environ, accelerator=accelerator, **kwargs
+    )
+
+
+def test_settings_defaults_on_a_cpu_machine():
+    """No accelerator: the CPU and gloo, torch's 1800 s timeout, a 600 s start-up deadline."""
+    s = _settings()
+    assert (s.launch.rank, s.launch.world_size, s.launch.local_rank) == (1, 4, 1)
+    assert s.device == torch.device("cpu")
+    assert s.backend == "gloo"
+    assert s.timeout == s.subgroup_timeout == timedelta(seconds=1800)
+    assert s.startup_timeout == 600.0
+    assert (s.layout.dp, s.layout.sp, s.layout.tp) == (4, 1, 1)
+    assert not s.adopt
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend"), [("cuda", "nccl"), ("xpu", "xccl"), ("hpu", "hccl"), ("mps", "gloo")]
+)
+def test_each_accelerator_kind_gets_its_device_and_backend(kind, backend):
+    """The accelerator at LOCAL_RANK and its default backend, whatever the device kind."""
+    s = _settings(accelerator=Accelerator(type=kind, count=2, backend=backend))
+    assert s.device == torch.device(kind, 1)
+    assert s.backend == backend
+
+
+def test_explicit_device_and_backend_choices():
+    """An int is an accelerator index; 'cpu' and gloo stay on the CPU; PDIST_BACKEND is read."""
+    assert _settings(accelerator=CUDA8, device=3).device == torch.device("cuda", 3)
+    assert _settings(accelerator=CUDA8, device="cuda").device == torch.device("cuda", 1)
+    assert _settings(accelerator=CUDA8, device="cpu").backend == "gloo"
+    assert _settings(accelerator=CUDA8, backend="gloo").device == torch.device("cpu")
+    env = {**TORCHRUN, "PDIST_BACKEND": "GLOO"}
+    assert _settings(env, accelerator=CUDA8).device == torch.device("cpu")
+
+
+def test_local_rank_beyond_the_visible_devices_says_how_to_fix_it():
+    """A SLURM task that sees one GPU as cuda:0 but has LOCAL_RANK=3 gets a clear error."""
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3"}
+    one = Accelerator(type="cuda", count=1, backend="nccl")
+    with pytest.raises(
+        ValueError, match=r"LOCAL_RANK=3 has no cuda device: only 1 CUDA device"
+    ) as info:
+        _settings(env, accelerator=one)
+    assert "device='cuda:0'" in str(info.value)
+    assert _settings(env, accelerator=one, device=0).device == torch.device("cuda", 0)
+
+
+BAD_SETTINGS = [
+    ({"device": "cuda:0"}, None, ValueError, r"device='cuda:0' needs CUDA, which is not available"),
+    ({"device": "xpu"}, CUDA8, ValueError, r"device='xpu' needs XPU, which is not available"),
+    ({"device": 0}, None, ValueError, r"device=0 names an accelerator index, but none"),
+    ({"device": "cuda:9"}, CUDA8, ValueError, r"index 9\) is beyond the 8 visible CUDA"),
+    ({"backend": "nccl"}, None, ValueError, r"backend='nccl' needs a CUDA device.*not available"),
+    ({"backend": "xccl", "device": "cpu"}, CUDA8, ValueError, r"backend='xccl' needs a XPU device"),
+    ({"backend": "pigeon"}, None, ValueError, r"backend='pigeon' is not one of"),
+    ({"tp": 3}, None, ValueError, r"tp=3 does not divide world_size=4"),
+    ({"timeout": 0}, None, ValueError, r"timeout=0 must be a finite positive"),
+    ({"startup_timeout": -2}, None, ValueError, r"startup_timeout=-2 must be a finite positive"),
+    ({"startup_timeout": "5"}, None, TypeError, r"startup_timeout='5' must be a number"),
+    ({"rank": -1}, None, ValueError, r"rank=-1 must be a non-negative int"),
+    ({"rank": 7}, None, ValueError, r"rank=7 must be below world_size=4"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "accelerator", "error", "match"), BAD_SETTINGS)
+def test_bad_settings_name_the_argument_and_the_fix(kwargs, accelerator, error, match):
+    """Each invalid argument raises before any process group exists, naming it."""
+    with pytest.raises(error, match=match):
+        _settings(accelerator=accelerator, **kwargs)
+
+
+def test_startup_timeout_sources():
+    """startup_timeout: explicit seconds or timedelta, 0 = forever, else the environment."""
+    assert _settings(startup_timeout=12).startup_timeout == 12.0
+    assert _settings(startup_timeout=timedelta(minutes=2)).startup_timeout == 120.0
+    assert _settings(startup_timeout=0).startup_timeout is None
+    env = {**TORCHRUN, "PDIST_WORLD_COMM_TIMEOUT_SEC": "0"}
+    assert _settings(env).startup_timeout is None
+    env = {**TORCHRUN, "PDIST_WORLD_COMM_TIMEOUT_SEC": "42"}
+    assert _settings(env).startup_timeout == 42.0
+
+
+def test_adopted_world_wins_over_the_launcher():
+    """An initialized default group's rank, size and backend are taken as they are."""
+    s = _settings(adopted=Adopted(rank=5, world_size=8, backend="fake"), tp=2)
+    assert (s.launch.rank, s.launch.world_size, s.backend, s.adopt) == (5, 8, "fake", True)
+    assert s.layout.dp == 4
+
+
+def test_subgroup_timeout_from_the_environment():
+    """PDIST_SUBGROUP_TIMEOUT_SEC overrides the subgroups' timeout only."""
+    env = {**TORCHRUN, "PDIST_SUBGROUP_TIMEOUT_SEC": "7"}
+    s = _settings(env, timeout=42)
+    assert (s.timeout, s.subgroup_timeout) == (timedelta(seconds=42), timedelta(seconds=7))

@@ -97,3 +97,55 @@ def test_consecutive_groups():
     assert consecutive_groups(6, 6) == ((0, 1, 2, 3, 4, 5),)
     with pytest.raises(ValueError, match=r"size=4 does not divide world_size=6"):
         consecutive_groups(6, 4)
+
+
+class _OldLayout:
+    """The arithmetic before the O(W) rewrite: every rank's group rebuilt from coordinates."""
+
+    def __init__(self, world_size: int, tp: int, sp: int) -> None:
+        self.world_size, self.tp, self.sp = world_size, tp, sp
+        self.dp = world_size // (tp * sp)
+
+    def group_of(self, axis: str, rank: int) -> tuple[int, ...]:
+        rest, t = divmod(rank, self.tp)
+        d, s = divmod(rest, self.sp)
+        coords = [d, s, t]
+        index = AXES.index(axis)
+        members = []
+        for i in range(getattr(self, axis)):
+            coords[index] = i
+            members.append((coords[0] * self.sp + coords[1]) * self.tp + coords[2])
+        return tuple(members)
+
+    def groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(self.world_size):
+            seen.setdefault(self.group_of(axis, rank), None)
+        return tuple(seen)
+
+
+def test_layout_matches_the_old_arithmetic():
+    """Every axis partition and every rank's group equal the old per-rank arithmetic (W <= 64)."""
+    for world_size in range(1, 65):
+        for tp, sp in _valid(world_size):
+            new, old = make_layout(world_size, tp=tp, sp=sp), _OldLayout(world_size, tp, sp)
+            for axis in AXES:
+                assert new.groups(axis) == old.groups(axis), (world_size, tp, sp, axis)
+                for rank in range(world_size):
+                    assert new.group_of(axis, rank) == old.group_of(axis, rank)
+
+
+@pytest.mark.parametrize(("world_size", "tp", "sp"), CASES)
+def test_dp_sp_holds_the_ranks_sharing_a_tp_index(world_size, tp, sp):
+    """dp_sp = the ranks with the caller's tp coordinate: dp x sp of them, dp itself when sp=1."""
+    layout = make_layout(world_size, tp=tp, sp=sp)
+    assert layout.size("dp_sp") == layout.dp * layout.sp
+    for rank in range(world_size):
+        group = layout.group_of("dp_sp", rank)
+        assert group == tuple(r for r in range(world_size) if r % tp == rank % tp)
+        assert set(layout.group_of("dp", rank)) <= set(group)
+        assert set(layout.group_of("sp", rank)) <= set(group)
+        if sp == 1:
+            assert group == layout.group_of("dp", rank)
+    flat = sorted(itertools.chain.from_iterable(layout.groups("dp_sp")))
+    assert flat == list(range(world_size))

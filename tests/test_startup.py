@@ -1,0 +1,315 @@
+"""distributed()'s start-up: its deadline, the groups it builds and what they cost per rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from launcher import run_ranks
+
+import pdist
+from pdist import _guard, _scale
+from pdist.testing import spawn, world_sizes
+
+# --------------------------------------------------------------------------- the deadline
+
+LATE_RANK = """
+    import os, time, pdist
+    if int(os.environ["RANK"]) == 2:
+        time.sleep(40)
+    start = time.monotonic()
+    with pdist.distributed() as ctx:
+        print("ENTERED", flush=True)
+"""
+
+
+def test_a_late_rank_ends_the_others_with_93_naming_it():
+    """Ranks 0 and 1 exit 93 within the deadline plus ~10 s; the message names rank 2."""
+    results = run_ranks(
+        LATE_RANK,
+        3,
+        timeout=60,
+        env={"PDIST_WORLD_COMM_TIMEOUT_SEC": "4"},
+        wait_for=[0, 1],
+    )
+    for r in results[:2]:
+        assert r.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, r.output
+        assert "distributed() start-up did not finish within the 4s deadline" in r.output
+        assert "ranks that never checked in: 2." in r.output
+        assert f"rank {r.rank} on {socket.gethostname()}" in r.output
+        assert "startup_timeout" in r.output
+        assert "ENTERED" not in r.output
+        # Interpreter start-up and imports come before the deadline is armed.
+        assert r.seconds < 4 + 10 + 15, r.seconds
+
+
+SLOW_BLOCK = """
+    import time, pdist
+    with pdist.distributed() as ctx:
+        time.sleep(6)
+        pdist.barrier(ctx)
+    print("DONE", flush=True)
+"""
+
+
+def test_the_deadline_never_covers_the_block():
+    """A block that runs past the start-up deadline is not killed."""
+    results = run_ranks(SLOW_BLOCK, 2, timeout=90, env={"PDIST_WORLD_COMM_TIMEOUT_SEC": "2"})
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert "DONE" in r.output
+
+
+def test_a_store_that_never_answers_is_named():
+    """No rendezvous store at MASTER_ADDR:MASTER_PORT: exit 93 saying so, naming the address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nobody listens there
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")},
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PDIST_WORLD_COMM_TIMEOUT_SEC": "3",
+    }
+    code = "import pdist\nwith pdist.distributed():\n    pass\n"
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, out.stderr
+    assert f"the rendezvous store at 127.0.0.1:{port} never answered" in out.stderr
+    assert "while connecting to the rendezvous store" in out.stderr
+    assert time.monotonic() - start < 3 + 10 + 20
+
+
+def test_a_near_miss_warns(caplog):
+    """Finishing past the deadline but inside the grace period logs a warning, not an exit."""
+    deadline = _guard.Deadline(0.2, rank=0, world_size=1, what="the thing", hint="raise it")
+    deadline.arm()
+    time.sleep(0.5)  # the grace is at least 1 s
+    with caplog.at_level(logging.WARNING, logger="pdist"):
+        took = deadline.disarm()
+    assert took >= 0.5
+    assert "past its 0.2s deadline (saved by the grace period)" in caplog.text
+
+
+def test_grace_is_bounded():
+    """The grace is 5 % of the deadline, between 1 and 10 seconds."""
+    assert _guard.grace(4) == 1.0
+    assert _guard.grace(100) == 5.0
+    assert _guard.grace(10_000) == 10.0
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def _sum(group: pdist.Group) -> int:
+    t = torch.tensor([group.rank])
+    dist.all_reduce(t, group=group.device_group)
+    c = torch.tensor([group.rank])
+    dist.all_reduce(c, group=group.cpu_group)
+    assert t.item() == c.item()
+    return int(t.item())
+
+
+@world_sizes(4)
+def test_new_group_builds_the_callers_group(ctx):
+    """new_group([[0, 2], [1, 3]]) gives each rank its pair, with working communicators."""
+    g = pdist.new_group(ctx, [[0, 2], [1, 3]], name="pairs")
+    assert g is not None
+    assert g.ranks == ((0, 2) if ctx.rank % 2 == 0 else (1, 3))
+    assert g.name == "pairs"
+    assert _sum(g) == sum(g.ranks)
+    # Order follows the list; a rank in no list gets None and later groups still form.
+    h = pdist.new_group(ctx, [[2, 0, 1]], name="three")
+    if ctx.rank == 3:
+        assert h is None
+    else:
+        assert h is not None
+        assert h.ranks == (2, 0, 1)
+        assert h.rank_in_group == (2, 0, 1).index(ctx.rank)
+        assert _sum(h) == 3
+    tp2 = pdist.new_tp_group(ctx, 2)
+    assert _sum(tp2) == sum(tp2.ranks)
+
+
+@world_sizes(4)
+def test_new_group_fails_together_on_bad_or_mismatched_lists(ctx):
+    """Bad lists raise ValueError on every rank; lists that differ, RankMismatchError."""
+    with pytest.raises(ValueError, match=r"rank 1 appears in rank_lists\[0\] and \[1\]"):
+        pdist.new_group(ctx, [[0, 1], [1, 2]], name="bad")
+    with pytest.raises(ValueError, match=r"rank 7, outside the world of size 4"):
+        pdist.new_group(ctx, [[0, 7]], name="bad")
+    lists = [[0, 1], [2, 3]] if ctx.rank != 1 else [[0, 2], [1, 3]]
+    with pytest.raises(pdist.RankMismatchError, match=r"ranks \[0, 2, 3\]: .*ranks \[1\]"):
+        pdist.new_group(ctx, lists, name="mixed")
+    lists = [[0, 1], [2, 3]] if ctx.rank != 2 else "0,1"
+    with pytest.raises(pdist.RankMismatchError, match=r"ranks \[2\]: TypeError: rank_lists='0,1'"):
+        pdist.new_group(ctx, lists, name="typed")
+    size = 2 if ctx.rank != 3 else 4
+    with pytest.raises(pdist.RankMismatchError, match=r"ranks \[3\]: size=4"):
+        pdist.new_tp_group(ctx, size)
+    # Nothing was built by the failed calls: a good call still works everywhere.
+    g = pdist.new_group(ctx, [[0, 1], [2, 3]], name="good")
+    assert g is not None
+    assert _sum(g) == sum(g.ranks)
+
+
+@world_sizes(4)
+def test_equal_partitions_share_communicators(ctx):
+    """Asking twice for a partition, or for one the context holds, builds nothing new."""
+    a = pdist.new_tp_group(ctx, 2)
+    b = pdist.new_tp_group(ctx, 2, name="again")
+    assert a.device_group is b.device_group
+    assert b.name == "again"
+    c = pdist.new_group(ctx, [[0, 1], [2, 3]], name="same")
+    assert c is not None
+    assert c.device_group is a.device_group
+    assert pdist.new_tp_group(ctx, 4).device_group is ctx.world.device_group
+    assert ctx.dp.device_group is ctx.world.device_group  # tp = sp = 1
+    assert ctx.dp_sp.device_group is ctx.dp.device_group
+    assert ctx.tp.device_group is ctx.sp.device_group  # both all singletons
+
+
+def _axis_groups(tp: int, sp: int) -> dict[str, tuple[int, ...]]:
+    with pdist.distributed(tp=tp, sp=sp) as ctx:
+        out = {a: getattr(ctx, a).ranks for a in ("tp", "sp", "dp", "dp_sp", "node")}
+        assert _sum(ctx.dp_sp) == sum(ctx.dp_sp.ranks)
+        return out
+
+
+def test_dp_sp_is_the_gradient_group():
+    """dp_sp holds the ranks sharing a tp index: (0, 1) for sp=2 on 2 ranks; no tp peers."""
+    for rank, out in enumerate(spawn(_axis_groups, 2, 1, 2, timeout=60)):
+        assert out["dp_sp"] == (0, 1)
+        assert out["sp"] == (0, 1)
+        assert out["dp"] == (rank,)
+    for rank, out in enumerate(spawn(_axis_groups, 4, 2, 1, timeout=60)):
+        assert out["dp_sp"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+        assert out["dp_sp"] == out["dp"]
+        assert not set(out["tp"]) - {rank} & set(out["dp_sp"])
+
+
+def _mesh(tp: int, sp: int, axes) -> tuple:
+    with pdist.distributed(tp=tp, sp=sp) as ctx:
+        mesh = pdist.device_mesh(ctx, axes)
+        out = (
+            mesh.mesh_dim_names,
+            mesh.mesh.tolist(),
+            [tuple(dist.get_process_group_ranks(g)) for g in mesh.get_all_groups()],
+        )
+        del mesh
+        return out
+
+
+@pytest.mark.parametrize(
+    ("tp", "sp", "axes", "names", "mesh_of"),
+    [
+        (2, 1, None, ("dp", "sp", "tp"), lambda r: [[[0, 1]], [[2, 3]]]),
+        (2, 1, ("dp",), ("dp",), lambda r: [r % 2, r % 2 + 2]),
+        (2, 1, ("dp_sp",), ("dp_sp",), lambda r: [r % 2, r % 2 + 2]),
+        (2, 1, ("tp",), ("tp",), lambda r: [r - r % 2, r - r % 2 + 1]),
+        (1, 2, ("dp", "sp"), ("dp", "sp"), lambda r: [[0, 1], [2, 3]]),
+    ],
+)
+def test_device_mesh_sub_meshes(tp, sp, axes, names, mesh_of):
+    """Each sub-mesh holds the caller's ranks, built over the context's own groups."""
+    for rank, (dim_names, mesh, groups) in enumerate(spawn(_mesh, 4, tp, sp, axes, timeout=60)):
+        assert dim_names == names
+        assert mesh == mesh_of(rank)
+        assert all(rank in g for g in groups)
+
+
+def _bad_mesh(axes) -> str:
+    with pdist.distributed() as ctx, pytest.raises((TypeError, ValueError)) as info:
+        pdist.device_mesh(ctx, axes)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("axes", "match"),
+    [
+        ("dp", "must be None or a non-empty tuple"),
+        (("pp",), "'pp' is not one of"),
+        (("dp", "dp"), "names an axis twice"),
+        (("dp_sp", "dp"), "'dp_sp' already holds 'dp' and 'sp'"),
+        (("tp", "dp"), "slowest to fastest"),
+    ],
+)
+def test_device_mesh_refuses_bad_axes(axes, match):
+    """Unknown, repeated, overlapping or misordered axes are refused with the fix."""
+    [message] = spawn(_bad_mesh, 1, axes, timeout=60)
+    assert match in message
+
+
+# --------------------------------------------------------------------------- simulated hosts
+
+NODES = """
+    import pdist
+    with pdist.distributed() as ctx:
+        print("NODE", list(ctx.node.ranks), flush=True)
+"""
+
+
+@pytest.mark.parametrize("hosts", [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])
+def test_node_groups_on_blocked_and_cyclic_hosts(hosts):
+    """Ranks placed in blocks or round-robin over two hosts get their host's ranks."""
+    results = run_ranks(NODES, 4, timeout=120, hosts=hosts)
+    for r in results:
+        assert r.returncode == 0, r.output
+        mine = next(h for h in hosts if r.rank in h)
+        assert f"NODE {sorted(mine)}" in r.output
+
+
+PROBE_FAILS = """
+    import os, subprocess, pdist
+    if os.environ["RANK"] == "2":
+        subprocess.run(["mount", "-o", "remount,ro", "/dev/shm"], check=True)
+    try:
+        with pdist.distributed(timeout=30):
+            pass
+    except pdist.PdistError as exc:
+        print("ERROR", exc, flush=True)
+"""
+
+
+def test_a_rank_that_cannot_create_its_probe_fails_every_rank():
+    """A read-only /dev/shm on one host: every rank raises, naming rank 2."""
+    results = run_ranks(PROBE_FAILS, 3, timeout=120, hosts=[[0, 1], [2]])
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert (
+            "ERROR host detection on group 'world': rank 2 could not create its probe" in r.output
+        )
+
+
+# --------------------------------------------------------------------------- scale
+
+
+def test_communicator_calls_do_not_grow_with_the_world():
+    """Simulated worlds of 16, 64, 256 ranks: the same few members-only calls, 160 B per rank."""
+    runs = [_scale.measure(w, "pdist") for w in (16, 64, 256)]
+    for run in runs:
+        assert run["new_group"] + run["split_group"] == runs[0]["new_group"] <= 4
+        assert run["world_wide"] == 0
+        assert run["all_gather_bytes"] == 160 * run["world_size"]
+    mesh = _scale.measure(256, "mesh")
+    assert mesh["new_group"] > 32  # the baseline calls new_group for every block
+
+
+def test_the_split_path_splits_once_per_distinct_partition():
+    """On an accelerator-bound world, device groups come from one world-wide split each."""
+    for w in (16, 256):
+        run = _scale.measure(w, "pdist-split")
+        assert run["split_group"] == 3  # tp, sp (singletons), dp; dp_sp = dp, node = tp
+        assert run["world_wide"] == run["split_group"]
