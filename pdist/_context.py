@@ -24,7 +24,7 @@ from torch._C._distributed_c10d import HashStore, Store
 from . import _env, _subgroups, _topology
 from ._errors import PdistError
 from ._group import DistContext, Lifetime
-from ._guard import Deadline, default_store
+from ._guard import Deadline, default_store, probe_world
 
 __all__ = ["distributed", "probe_accelerator"]
 
@@ -188,7 +188,7 @@ class _Distributed:
         deadline.stage = "building the node groups"
         node = _subgroups.build_partition(world, "node", nodes, timeout=settings.subgroup_timeout)
         assert node is not None  # the hosts cover the world
-        return DistContext(
+        ctx = DistContext(
             rank=launch.rank,
             world_size=launch.world_size,
             local_rank=launch.local_rank,
@@ -201,6 +201,12 @@ class _Distributed:
             dp=axes["dp"],
             dp_sp=axes["dp_sp"],
         )
+        if world.device_group is not world.cpu_group:
+            # Host detection ran on the gloo groups; make the accelerator's world
+            # communicator prove itself (an int64 sum) while the deadline still holds.
+            deadline.stage = "probing the world communicator"
+            probe_world(ctx)
+        return ctx
 
     def _close(self) -> None:
         self._state = "closed"

@@ -32,6 +32,8 @@ __all__ = [
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
     "Deadline",
     "default_store",
+    "grace",
+    "probe_world",
     "world_comm_guard",
     "world_comm_timeout",
 ]
