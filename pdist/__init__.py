@@ -41,6 +41,7 @@ from ._ranks import barrier as barrier
 from ._ranks import is_rank0 as is_rank0
 from ._ranks import rank0_first as rank0_first
 from ._ranks import rank0_only as rank0_only
+from ._sequence import ulysses_attention as ulysses_attention
 from ._subgroups import device_mesh as device_mesh
 from ._subgroups import new_group as new_group
 from ._subgroups import new_sp_group as new_sp_group
@@ -101,6 +102,7 @@ __all__ = [
     "set_cpu_affinity",
     "shard",
     "sync_model_states",
+    "ulysses_attention",
     "world_comm_guard",
     "world_comm_timeout",
     "wrap_ddp",

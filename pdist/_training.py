@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -45,26 +47,121 @@ def _fsdp_param_groups(module: nn.Module) -> list[Any]:
 
 
 _STATIC_WARNED = "_pdist_static_graph_warned"
+# Set on every module a DDP wraps: a weak link to the DDP, or a dead one (see _WrapperLink).
+_WRAPPER_LINK = "_pdist_ddp_wrapper"
+# Set by fully_shard on every module it manages (torch uses it for Dynamo); a private flag,
+# so if torch ever drops it the wrong-module warning for FSDP2 goes quiet, nothing breaks.
+_FSDP_MANAGED = "_is_fsdp_managed_module"
 
 
 def _static_graph(ddp: nn.parallel.DistributedDataParallel) -> bool:
     return bool(getattr(ddp, "static_graph", False))
 
 
+class _WrapperLink:
+    """A weak link from a wrapped module to its DDP wrapper, stored on the module itself.
+
+    It lets :func:`grad_sync` tell, in O(1), that a module it was given sits
+    inside a DDP (the wrong module to pass) without a module-level registry.
+    The link is weak, so it keeps no DDP (and no process group) alive; it
+    pickles and deep-copies as ``False``, since a copy of the module is inside
+    no DDP, and unpickling needs no pdist.
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, wrapper: nn.Module | None) -> None:
+        self._ref = None if wrapper is None else weakref.ref(wrapper)
+
+    def wrapper(self) -> nn.Module | None:
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self) -> tuple[type[bool], tuple[()]]:
+        return (bool, ())
+
+
+def _link(modules: Iterable[nn.Module], wrapper: nn.Module | None) -> None:
+    link = _WrapperLink(wrapper)
+    for m in modules:
+        # object.__setattr__: a user's __setattr__ override must not see pdist's bookkeeping.
+        object.__setattr__(m, _WRAPPER_LINK, link)
+
+
+def _enclosing_ddp(model: nn.Module) -> nn.Module | None:
+    """The DDP that wraps ``model`` (or a module around it), if any; None otherwise.
+
+    pdist's DDP links its modules when it is built (O(1) here). A module that
+    carries no link may sit inside torch's own DDP: then, once per module, the
+    garbage collector's list of objects is scanned for a DDP holding it, and
+    the answer is stored as a link (a dead one when none holds it), so the scan
+    never repeats for that module. Only :func:`grad_sync` with ``enabled=False``
+    on a module holding no DDP or FSDP module gets here.
+    """
+    link = model.__dict__.get(_WRAPPER_LINK)
+    if isinstance(link, _WrapperLink):
+        return link.wrapper()
+    if not (dist.is_available() and dist.is_initialized()):
+        return None  # no process group, so no DDP
+    found = None
+    ddp_type = nn.parallel.DistributedDataParallel
+    for obj in gc.get_objects():
+        # The MRO, not isinstance: DDP is an ABC (Joinable), and isinstance on arbitrary
+        # objects would run their __class__ properties and subclass hooks.
+        if ddp_type in type(obj).__mro__ and any(m is model for m in obj.module.modules()):
+            found = obj
+            break
+    _link([model], found)
+    return found
+
+
+def _warn_wrong_module(model: nn.Module) -> None:
+    """Warn when ``model`` holds no DDP/FSDP module but sits inside one (grad_sync does nothing)."""
+    if getattr(model, _FSDP_MANAGED, False) is True:
+        msg = (
+            f"grad_sync: {type(model).__name__} holds no FSDP module but sits inside a module "
+            "sharded with fully_shard, so gradient synchronization is unchanged; pass the "
+            "model you called fully_shard on (its root), not a submodule"
+        )
+    else:
+        wrapper = _enclosing_ddp(model)
+        if wrapper is None:
+            return
+        msg = (
+            f"grad_sync: {type(model).__name__} holds no DDP or FSDP module but is wrapped by "
+            f"{type(wrapper).__name__}, so gradient synchronization is unchanged; pass that "
+            "wrapper (the model wrap_ddp returned), not its .module or a submodule"
+        )
+    warnings.warn(msg, UserWarning, stacklevel=4)
+
+
 @contextlib.contextmanager
-def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def grad_sync(
+    model: nn.Module, enabled: bool, *, defer_reduce_scatter: bool = False
+) -> Iterator[None]:
     """Turn cross-replica gradient synchronization on or off inside the block.
 
     - DDP (torch's or pdist's): sets ``require_backward_grad_sync``. With
       ``static_graph=True`` the flag cannot change: it is left alone, with a
       warning once per model.
-    - FSDP2 (``fully_shard``): defers only the cross-replica all-reduce of
-      HSDP (``set_requires_all_reduce(enabled, recurse=False)`` on every FSDP
-      module with parameters), so reduce-scatter still runs every micro-step
-      and gradient memory does not grow.
+    - FSDP2 (``fully_shard``), by default: defers only the cross-replica
+      all-reduce of HSDP (``set_requires_all_reduce(enabled, recurse=False)``
+      on every FSDP module with parameters). Reduce-scatter still runs every
+      micro-step, so gradients stay sharded and their memory does not grow;
+      with plain FSDP (a 1-D mesh) there is no all-reduce, so nothing is
+      deferred and every micro-step reduce-scatters.
+    - FSDP2 with ``defer_reduce_scatter=True``: sets
+      ``set_requires_gradient_sync(enabled, recurse=False)`` instead, so
+      inside an ``enabled=False`` block neither reduce-scatter nor all-reduce
+      runs; the price is an unsharded gradient per parameter (the memory of
+      the whole model's gradients on every rank) until the next synced
+      backward reduces it.
     - Plain modules and one-rank runs: nothing to do.
 
-    On exit every module gets back exactly its own previous flag, also when
+    Passing the wrong module (``model.module`` of a DDP, or a submodule of a
+    ``fully_shard`` model that holds no FSDP module) with ``enabled=False``
+    changes nothing, so it warns, naming the module to pass instead.
+
+    On exit every module gets back exactly its own previous flags, also when
     the block raises or when setting the flags fails half-way. Nests freely.
 
     Example::
@@ -72,9 +169,16 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         for i, batch in enumerate(micro_batches):
             with pdist.grad_sync(model, enabled=(i == len(micro_batches) - 1)):
                 model(batch).sum().backward()
+
+    Args:
+        model: The DDP model, the ``fully_shard`` model (its root), or a plain module.
+        enabled: Whether gradients are synchronized in the block's backward passes.
+        defer_reduce_scatter: FSDP2 only: also defer the reduce-scatter, not just
+            HSDP's all-reduce (no gradient communication at all, unsharded gradients).
     """
     fsdp_type = _fsdp_module_type()
     restore: list[Any] = []
+    found = False
 
     def undo() -> None:
         for action in reversed(restore):
@@ -83,6 +187,7 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     try:
         for module in model.modules():
             if isinstance(module, nn.parallel.DistributedDataParallel):
+                found = True
                 if _static_graph(module):
                     if not getattr(module, _STATIC_WARNED, False):
                         object.__setattr__(module, _STATIC_WARNED, True)
@@ -99,20 +204,27 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
                 )
                 module.require_backward_grad_sync = bool(enabled)
             elif fsdp_type is not None and isinstance(module, fsdp_type):
+                found = True
                 groups = _fsdp_param_groups(module)
                 if not groups:
                     continue
-                olds = [g.all_reduce_grads for g in groups]
+                olds = [(g.reduce_grads, g.all_reduce_grads) for g in groups]
 
-                def put_back(gs: list[Any] = groups, vs: list[bool] = olds) -> None:
-                    for g, v in zip(gs, vs, strict=True):
-                        g.all_reduce_grads = v
+                def put_back(gs: list[Any] = groups, vs: list[tuple[bool, bool]] = olds) -> None:
+                    for g, (reduce, all_reduce) in zip(gs, vs, strict=True):
+                        g.reduce_grads = reduce
+                        g.all_reduce_grads = all_reduce
 
                 restore.append(put_back)
-                module.set_requires_all_reduce(bool(enabled), recurse=False)  # type: ignore[operator]
+                if defer_reduce_scatter:
+                    module.set_requires_gradient_sync(bool(enabled), recurse=False)  # type: ignore[operator]
+                else:
+                    module.set_requires_all_reduce(bool(enabled), recurse=False)  # type: ignore[operator]
     except BaseException:
         undo()
         raise
+    if not found and not enabled:
+        _warn_wrong_module(model)
     try:
         yield
     finally:
@@ -122,12 +234,20 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """torch's DDP plus :meth:`training_step`, which runs through DDP's forward and hooks."""
 
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        # grad_sync(model.module, ...) would change nothing: the links let it say so.
+        _link(module.modules(), self)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped module's ``training_step`` as DDP's forward.
 
-        DDP's gradient hooks only arm through ``forward``; this redirects the
-        wrapped module's ``forward`` to its ``training_step`` for one call and
-        puts it back afterwards, also when the step raises.
+        DDP's gradient hooks only arm through ``forward``; this points the
+        wrapped module's ``forward`` at a function that first puts ``forward``
+        back and then runs ``training_step``, and calls DDP. So DDP's forward
+        and hooks run around the step, while a step that calls ``self(batch)``
+        reaches the real ``forward``. ``forward`` is back afterwards in every
+        case, also when the step raises.
 
         Raises:
             AttributeError: The wrapped module has no ``training_step``.
@@ -139,41 +259,67 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             raise AttributeError(msg)
         had_own = "forward" in inner.__dict__
         own = inner.__dict__.get("forward")
-        inner.forward = step
+
+        def put_back() -> None:
+            if had_own:
+                inner.__dict__["forward"] = own
+            else:
+                inner.__dict__.pop("forward", None)
+
+        def run_step(*step_args: Any, **step_kwargs: Any) -> Any:
+            put_back()  # the step may call self(batch): forward must be forward again
+            return step(*step_args, **step_kwargs)
+
+        inner.__dict__["forward"] = run_step
         try:
             return self(*args, **kwargs)
         finally:
-            if had_own:
-                inner.forward = own
-            else:
-                del inner.forward
+            put_back()
 
 
-def wrap_ddp(ctx: DistContext, model: nn.Module, **ddp_options: Any) -> nn.Module:
-    """Wrap ``model`` in :class:`DistributedDataParallel` over the context's ``dp`` group.
+def wrap_ddp(
+    ctx: DistContext, model: nn.Module, *, group: Group | None = None, **ddp_options: Any
+) -> DistributedDataParallel:
+    """Wrap ``model`` in :class:`DistributedDataParallel` over the context's ``dp_sp`` group.
+
+    Gradients are averaged over ``ctx.dp_sp``, the ranks that share this
+    rank's tp index: data-parallel ranks see different samples and
+    sequence-parallel ranks different slices of the sequence, so both must
+    average (it is ``ctx.dp`` when ``sp == 1``). tp peers hold different
+    shards and are left out. On 4 ranks with ``sp=2`` all 4 ranks average;
+    with ``tp=2`` rank 1 averages with rank 3.
 
     The model is moved to ``ctx.device`` first (``Module.to`` works in place).
-    When the ``dp`` group has one rank there is nothing to synchronize and the
-    model comes back unwrapped.
+    The result is a :class:`DistributedDataParallel` at every world size, one
+    rank included, so ``.module`` and ``training_step`` work the same under
+    ``python`` and ``torchrun``.
 
-    .. note:: Every rank of the ``dp`` group must call it (DDP broadcasts rank
-       0's parameters on construction).
+    .. note:: Every rank of the group must call it (DDP broadcasts the
+       parameters of the group's first rank on construction).
 
     Args:
         ctx: The context.
         model: The module to wrap.
+        group: The group to average over; default ``ctx.dp_sp``.
         **ddp_options: Passed to ``DistributedDataParallel`` (``static_graph``,
             ``find_unused_parameters``, ...).
+
+    Raises:
+        TypeError: ``process_group`` or ``device_ids`` in ``ddp_options``
+            (pass ``group=``; the device comes from the context).
     """
+    for name in ("process_group", "device_ids"):
+        if name in ddp_options:
+            msg = (
+                f"wrap_ddp got {name}={ddp_options[name]!r}: it sets process_group and "
+                "device_ids from the context; pass group=<a pdist Group> to choose the group"
+            )
+            raise TypeError(msg)
+    g = ctx.dp_sp if group is None else as_group(group)
     model.to(ctx.device)
-    if ctx.dp.world_size == 1:
-        return model
-    if "process_group" in ddp_options or "device_ids" in ddp_options:
-        msg = "wrap_ddp sets process_group and device_ids from the context; do not pass them"
-        raise TypeError(msg)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(
-        model, process_group=ctx.dp.device_group, device_ids=device_ids, **ddp_options
+        model, process_group=g.device_group, device_ids=device_ids, **ddp_options
     )
 
 

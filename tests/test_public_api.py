@@ -53,6 +53,8 @@ PUBLIC = {
     "wrap_ddp",
     "DistributedDataParallel",
     "sync_model_states",
+    # sequence parallelism
+    "ulysses_attention",
     # start-up
     "world_comm_guard",
     "world_comm_timeout",

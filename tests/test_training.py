@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import pickle
 import time
 import warnings
 
@@ -10,7 +13,7 @@ import torch
 from torch import nn
 
 import pdist
-from pdist.testing import count_collectives, world_sizes
+from pdist.testing import count_collectives, spawn, world_sizes
 
 
 def _net(seed: int = 0) -> nn.Module:
@@ -112,11 +115,121 @@ def test_training_step_runs_ddp_hooks(ctx):
     del ddp
 
 
+class SelfCalling(nn.Module):
+    """A training_step that calls self(x), as Lightning-style modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):  # noqa: D102
+        return self.lin(x)
+
+    def training_step(self, x):  # noqa: D102
+        return self(x).square().mean()
+
+
+@world_sizes(2)
+def test_training_step_calling_self_does_not_recurse(ctx):
+    """A step calling self(x) reaches the real forward, DDP still averages, forward works after."""
+    net = SelfCalling()
+    ddp = pdist.wrap_ddp(ctx, net)
+    ddp.training_step(_data(ctx.rank, 0)).backward()
+    reference = SelfCalling()
+    for rank in range(ctx.world_size):
+        (reference.training_step(_data(rank, 0)) / ctx.world_size).backward()
+    for got, ref in zip(_grads(net), _grads(reference), strict=True):
+        torch.testing.assert_close(got, ref)
+    assert "forward" not in net.__dict__
+    x = _data(ctx.rank, 1)
+    torch.testing.assert_close(ddp(x), reference(x))
+    del ddp
+
+
 @world_sizes(1)
-def test_wrap_ddp_on_one_rank_returns_the_model(ctx):
-    """With a one-rank dp group there is nothing to wrap."""
-    model = _net()
-    assert pdist.wrap_ddp(ctx, model) is model
+def test_wrap_ddp_on_one_rank_returns_the_wrapper(ctx):
+    """One rank gets the same wrapper type as many: .module and training_step work under python."""
+    net = Stepper()
+    ddp = pdist.wrap_ddp(ctx, net)
+    assert isinstance(ddp, pdist.DistributedDataParallel)
+    assert ddp.module is net
+    ddp.training_step(_data(0, 0)).backward()
+    assert all(p.grad is not None for p in net.parameters())
+    with pdist.grad_sync(ddp, enabled=False):
+        assert ddp.require_backward_grad_sync is False
+    del ddp
+
+
+def test_wrap_ddp_refuses_process_group_and_device_ids():
+    """The group comes from the context (or group=); passing torch's arguments is a TypeError."""
+    for name in ("process_group", "device_ids"):
+        with pytest.raises(TypeError, match=f"wrap_ddp got {name}=None.*pass group="):
+            pdist.wrap_ddp(None, _net(), **{name: None})
+
+
+def _ddp_over_dp_sp(tp, sp):
+    with pdist.distributed(tp=tp, sp=sp) as ctx:
+        model = _net()
+        ddp = pdist.wrap_ddp(ctx, model)
+        ddp(_data(ctx.rank, 0)).sum().backward()
+        out = ctx.dp_sp.ranks, ctx.dp.ranks, _grads(model)
+        del ddp
+        return out
+
+
+@pytest.mark.parametrize(("world_size", "tp", "sp"), [(2, 1, 2), (4, 2, 1), (4, 1, 2)])
+def test_wrap_ddp_averages_over_dp_and_sp(world_size, tp, sp):
+    """Gradients are averaged over dp x sp (different inputs everywhere), never over tp peers."""
+    results = spawn(_ddp_over_dp_sp, world_size, tp, sp, timeout=90)
+    for rank, (dp_sp, dp, grads) in enumerate(results):
+        expected_ranks = tuple(r for r in range(world_size) if r % tp == rank % tp)
+        assert dp_sp == expected_ranks
+        assert set(dp) <= set(dp_sp)
+        reference = _net()
+        for peer in dp_sp:
+            (reference(_data(peer, 0)).sum() / len(dp_sp)).backward()
+        for got, ref in zip(grads, _grads(reference), strict=True):
+            torch.testing.assert_close(got, ref)
+    if tp > 1:  # tp peers saw different inputs and are not averaged together
+        assert not torch.equal(results[0][2][0], results[1][2][0])
+
+
+@world_sizes(2)
+def test_grad_sync_on_the_wrong_module_warns(ctx):
+    """.module of a DDP (pdist's or torch's) and its submodules warn, naming the wrapper."""
+    ddp = pdist.wrap_ddp(ctx, _net())
+    match = r"Sequential holds no DDP or FSDP module but is wrapped by DistributedDataParallel"
+    with pytest.warns(UserWarning, match=match), pdist.grad_sync(ddp.module, enabled=False):
+        pass
+    with (
+        pytest.warns(UserWarning, match="Linear holds no DDP"),
+        pdist.grad_sync(ddp.module[0], enabled=False),
+    ):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pdist.grad_sync(ddp, enabled=False), pdist.grad_sync(ddp.module, enabled=True):
+            pass
+        with pdist.grad_sync(_net(), enabled=False):  # a plain module is fine
+            pass
+        # Copies are inside no DDP: the link pickles and copies as nothing.
+        for copied in (copy.deepcopy(ddp.module), pickle.loads(pickle.dumps(ddp.module))):
+            with pdist.grad_sync(copied, enabled=False):
+                pass
+
+    torch_ddp = nn.parallel.DistributedDataParallel(_net(), process_group=ctx.dp_sp.device_group)
+    wrong = torch_ddp.module
+    with pytest.warns(UserWarning, match="not its .module"), pdist.grad_sync(wrong, enabled=False):
+        pass
+
+    inner = ddp.module
+    del ddp, torch_ddp
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pdist.grad_sync(inner, enabled=False):  # the DDP is gone: the module is plain now
+            pass
 
 
 def _fsdp_model(mesh):

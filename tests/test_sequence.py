@@ -1,0 +1,83 @@
+"""ulysses_attention: sequence-parallel attention equals full attention, gradients included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional
+
+import pdist
+from pdist.testing import world_sizes
+
+B, H, S, D = 2, 12, 12, 4  # 12 heads and 12 positions divide among 1, 2, 3 (and 4, 6) ranks
+
+
+def _bshd_sdpa(q, k, v, **kwargs):
+    """SDPA on [B, S, H, D] tensors (the flash-attn layout)."""
+    out = functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs
+    )
+    return out.transpose(1, 2)
+
+
+# (layout, sequence dim, heads of k and v, attention, keyword arguments)
+CASES = [
+    ("bhsd", 2, H, functional.scaled_dot_product_attention, {"is_causal": True}),
+    ("bhsd", 2, H // 2, functional.scaled_dot_product_attention, {"enable_gqa": True}),
+    ("bshd", 1, H, _bshd_sdpa, {"is_causal": True}),
+]
+
+
+@world_sizes(1, 2, 3)
+def test_ulysses_attention_matches_full_attention(ctx):
+    """Each rank's output and q/k/v gradients equal its slice of one-process attention."""
+    p, r = ctx.world_size, ctx.rank
+    for layout, seq_dim, kv_heads, attention, kwargs in CASES:
+        gen = torch.Generator().manual_seed(0)
+
+        def make(heads, layout=layout, gen=gen):
+            shape = {"b": B, "h": heads, "s": S, "d": D}
+            return torch.randn(*(shape[c] for c in layout), generator=gen)
+
+        q, k, v, weight = make(H), make(kv_heads), make(kv_heads), make(H)
+        mine = [slice(None)] * 4
+        mine[seq_dim] = slice(r * S // p, (r + 1) * S // p)  # this rank's sequence chunk
+        mine = tuple(mine)
+
+        local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+        out = pdist.ulysses_attention(ctx, attention, layout=layout)(*local, **kwargs)
+        (out * weight[mine]).sum().backward()  # the total loss is the sum of the ranks' losses
+
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference = attention(*full, **kwargs)
+        (reference * weight).sum().backward()
+
+        torch.testing.assert_close(out, reference[mine], msg=layout)
+        for got, ref in zip(local, full, strict=True):
+            torch.testing.assert_close(got.grad, ref.grad[mine], msg=layout)
+
+
+@world_sizes(2)
+def test_ulysses_attention_bad_input_raises_before_any_exchange(ctx):
+    """Heads the group does not divide, non-4-D inputs and tuple outputs raise clearly."""
+    sdpa = pdist.ulysses_attention(ctx, functional.scaled_dot_product_attention)
+    odd = torch.randn(1, 3, 4, 2)
+    with pytest.raises(ValueError, match=r"q has 3 heads \(dim 1 of layout 'bhsd'\).* 2 ranks"):
+        sdpa(odd, odd, odd)
+    with pytest.raises(ValueError, match=r"k must be a 4-D tensor in layout 'bhsd', got shape"):
+        sdpa(torch.randn(1, 2, 4, 2), torch.randn(4, 2), torch.randn(1, 2, 4, 2))
+
+    def with_weights(q, k, v):
+        return functional.scaled_dot_product_attention(q, k, v), None
+
+    x = torch.randn(1, 2, 4, 2)
+    with pytest.raises(TypeError, match="attention returned tuple, expected one tensor"):
+        pdist.ulysses_attention(ctx, with_weights)(x, x, x)
+    pdist.barrier(ctx)
+
+
+@pytest.mark.parametrize("layout", ["bhs", "bhsx", "bbsd", 4])
+def test_ulysses_attention_bad_layout(layout):
+    """A layout that is not a permutation of 'bshd' is a ValueError naming it."""
+    with pytest.raises(ValueError, match=rf"layout={layout!r} must name the 4 dims"):
+        pdist.ulysses_attention(None, functional.scaled_dot_product_attention, layout=layout)
