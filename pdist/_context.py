@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, Store
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from . import _env, _subgroups, _topology
 from ._errors import PdistError
@@ -170,7 +170,10 @@ class _Distributed:
         store = self._open_store(deadline)
         if settings.backend != "fake":  # a simulated world (torch's fake group) has no real store
             deadline.stage = "checking in with the rendezvous store"
-            deadline.check_in(store, "startup")
+            generation = deadline.check_in(store, "startup")
+            # Each block's groups keep their rendezvous keys apart: a second block in the
+            # same job must never read the first one's (closed) addresses.
+            store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
         deadline.stage = "building the world groups"

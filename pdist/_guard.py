@@ -138,16 +138,20 @@ class Deadline:
         )
         self._thread.start()
 
-    def check_in(self, store: Store, kind: str) -> None:
+    def check_in(self, store: Store, kind: str) -> int:
         """Record this rank (and its host) in ``store`` under this call's generation of ``kind``.
 
         The k-th call of every rank shares generation k, so the keys of two
         blocks in one job never mix.
+
+        Returns:
+            The generation (the same on every rank for their k-th call).
         """
-        generation = store.add(f"{_PREFIX}/{kind}/calls/{self.rank}", 1)
+        generation = int(store.add(f"{_PREFIX}/{kind}/calls/{self.rank}", 1))
         self._keys = [f"{_PREFIX}/{kind}/{generation}/{r}" for r in range(self.world_size)]
         store.set(self._keys[self.rank], socket.gethostname())
         self._store = store
+        return generation
 
     def disarm(self) -> float:
         """Stop the watchdog; returns the seconds since :meth:`arm`.

@@ -385,6 +385,13 @@ def _check_rank_lists(rank_lists: object, world_size: int) -> Blocks:
                 msg = f"rank {r} appears {where}; the lists must be disjoint"
                 raise ValueError(msg)
             owner[r] = i
+        if list(ranks) != sorted(ranks):
+            msg = (
+                f"rank_lists[{i}]={list(ranks)!r} is not in increasing order; torch's process "
+                f"groups order their members by global rank (and group-relative src/dst, "
+                f"gathers and Group.ranks follow that order): pass {sorted(ranks)!r}"
+            )
+            raise ValueError(msg)
         blocks.append(tuple(ranks))
     if not blocks:
         msg = "rank_lists is empty; pass at least one list of global ranks"
@@ -396,8 +403,9 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
     """Build one group per list of global ranks; return the caller's, or None if it is in none.
 
     The equivalent of ``init_model_parallel_group(group_ranks, ...)``: pipeline
-    stages, classifier-free-guidance pairs, strided groups. Lists keep their
-    order (``ranks`` follows it), must be disjoint and may leave ranks out.
+    stages, classifier-free-guidance pairs, strided groups. Lists must be
+    disjoint and in increasing order (torch orders a process group's members
+    by global rank), and may leave ranks out.
     The communicators are built as for the axis groups (one call per rank,
     or one split of the world on an accelerator).
 
@@ -420,8 +428,8 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
 
     Raises:
         TypeError: ``rank_lists`` is not a list of lists of ints, or ``name`` is not a str.
-        ValueError: The lists overlap, are empty or hold ranks outside the world
-            (on every rank).
+        ValueError: The lists overlap, are empty, are not increasing or hold ranks
+            outside the world (on every rank).
         RankMismatchError: Ranks passed different lists (on every rank).
         PdistError: The context is closed.
     """

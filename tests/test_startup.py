@@ -130,15 +130,15 @@ def test_new_group_builds_the_callers_group(ctx):
     assert g.ranks == ((0, 2) if ctx.rank % 2 == 0 else (1, 3))
     assert g.name == "pairs"
     assert _sum(g) == sum(g.ranks)
-    # Order follows the list; a rank in no list gets None and later groups still form.
-    h = pdist.new_group(ctx, [[2, 0, 1]], name="three")
+    # A rank in no list gets None, and later groups still form on every rank.
+    h = pdist.new_group(ctx, [[0, 1, 2]], name="three")
     if ctx.rank == 3:
         assert h is None
     else:
         assert h is not None
-        assert h.ranks == (2, 0, 1)
-        assert h.rank_in_group == (2, 0, 1).index(ctx.rank)
-        assert _sum(h) == 3
+        assert h.ranks == (0, 1, 2)
+        assert h.rank_in_group == ctx.rank
+        assert pdist.all_gather(h, torch.tensor([ctx.rank]), dim=0).tolist() == [0, 1, 2]
     tp2 = pdist.new_tp_group(ctx, 2)
     assert _sum(tp2) == sum(tp2.ranks)
 
@@ -150,6 +150,8 @@ def test_new_group_fails_together_on_bad_or_mismatched_lists(ctx):
         pdist.new_group(ctx, [[0, 1], [1, 2]], name="bad")
     with pytest.raises(ValueError, match=r"rank 7, outside the world of size 4"):
         pdist.new_group(ctx, [[0, 7]], name="bad")
+    with pytest.raises(ValueError, match=r"rank_lists\[0\]=\[2, 0\] is not in increasing order"):
+        pdist.new_group(ctx, [[2, 0]], name="bad")
     lists = [[0, 1], [2, 3]] if ctx.rank != 1 else [[0, 2], [1, 3]]
     with pytest.raises(pdist.RankMismatchError, match=r"ranks \[0, 2, 3\]: .*ranks \[1\]"):
         pdist.new_group(ctx, lists, name="mixed")
@@ -313,3 +315,18 @@ def test_the_split_path_splits_once_per_distinct_partition():
         run = _scale.measure(w, "pdist-split")
         assert run["split_group"] == 3  # tp, sp (singletons), dp; dp_sp = dp, node = tp
         assert run["world_wide"] == run["split_group"]
+
+
+def _three_blocks() -> list[float]:
+    out = []
+    for tp in (1, 2, 2):
+        with pdist.distributed(tp=tp) as ctx:
+            out.append(pdist.all_reduce(ctx.tp, torch.ones(1)).item())
+            out.append(pdist.all_reduce(ctx, torch.ones(1)).item())
+    return out
+
+
+def test_blocks_one_after_another_share_a_store_safely():
+    """Each block keeps its rendezvous keys apart, so later blocks never read stale addresses."""
+    for _ in range(3):
+        assert spawn(_three_blocks, 2, timeout=90) == [[1.0, 2.0, 2.0, 2.0, 2.0, 2.0]] * 2
