@@ -367,7 +367,7 @@ def count_collectives() -> Iterator[collections.Counter[str]]:
     from torch.profiler import ProfilerActivity, profile
 
     counts: collections.Counter[str] = collections.Counter()
-    prof = profile(activities=[ProfilerActivity.CPU])
+    prof: Any = profile(activities=[ProfilerActivity.CPU])  # torch.profiler is untyped
     with _quiet_kineto():
         prof.__enter__()
     try:
