@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 import nox
@@ -10,14 +11,20 @@ import nox
 nox.options.default_venv_backend = "virtualenv"
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 
-# The torch we test against; on these machines torch==2.13.0 is a CPU wheel on local disk,
-# while an unpinned torch would pull a multi-GB CUDA build. PDIST_TORCH overrides it.
-TORCH = os.environ.get("PDIST_TORCH", "torch==2.13.0")
+# The torch we test against. Where no CPU wheel of it is on local disk, pip resolves
+# torch==2.13.0 to PyPI's default CUDA build (several GB with its nvidia-* wheels).
+# PDIST_TORCH replaces it with pip arguments, split as a shell would split them, e.g.
+# PDIST_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
+TORCH = shlex.split(os.environ.get("PDIST_TORCH", "torch==2.13.0"))
 EXAMPLES = sorted(p.stem for p in Path("examples").glob("*.py"))
 
 
 def _install(session: nox.Session, extras: str = "") -> None:
-    session.install(TORCH)
+    session.install(*TORCH)
+    # Without numpy torch warns "Failed to initialize NumPy" in every process it starts, and
+    # its own object collectives fail; pdist does not need it. From the default index, apart
+    # from the torch arguments, which may name another one.
+    session.install("numpy")
     session.install("-e", f".[{extras}]" if extras else ".")
 
 

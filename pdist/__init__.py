@@ -38,6 +38,7 @@ from ._objects import recv_tensor_dict as recv_tensor_dict
 from ._objects import send_object as send_object
 from ._objects import send_tensor_dict as send_tensor_dict
 from ._ranks import barrier as barrier
+from ._ranks import is_local_rank0 as is_local_rank0
 from ._ranks import is_rank0 as is_rank0
 from ._ranks import rank0_first as rank0_first
 from ._ranks import rank0_only as rank0_only
@@ -83,6 +84,7 @@ __all__ = [
     "gpu_cpu_affinity",
     "grad_sync",
     "graph_capture",
+    "is_local_rank0",
     "is_rank0",
     "message_queue",
     "new_group",

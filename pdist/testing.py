@@ -25,6 +25,7 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import sys
 import tempfile
@@ -322,13 +323,40 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
     raise SpawnError(msg, rank=None, remote_traceback=report)
 
 
+# kineto (the profiler's C++ side) writes these to file descriptor 2 on every start and stop,
+# whatever Python's logging says; its level comes from KINETO_LOG_LEVEL, read once per process.
+_KINETO_NOISE = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d [^\n]*\] [^\n]*\n?", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """Drop kineto's start/stop log lines written to fd 2 meanwhile; pass anything else on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+                sink.seek(0)
+                rest = _KINETO_NOISE.sub("", sink.read().decode(errors="replace"))
+                if rest:
+                    sys.stderr.write(rest)
+                    sys.stderr.flush()
+    finally:
+        os.close(saved)
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[collections.Counter[str]]:
     """Count the collectives this process issues inside the block, by name.
 
     Uses ``torch.profiler``, which records each gloo (and NCCL) collective as
     an event such as ``gloo:broadcast``. The counter is filled when the block
-    exits.
+    exits. The profiler's own start and stop lines (kineto's ``USDT:`` and
+    ``STAGE:`` lines on stderr) are swallowed; the block's output is untouched.
 
     Example::
 
@@ -339,8 +367,14 @@ def count_collectives() -> Iterator[collections.Counter[str]]:
     from torch.profiler import ProfilerActivity, profile
 
     counts: collections.Counter[str] = collections.Counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prof: Any = profile(activities=[ProfilerActivity.CPU])  # torch.profiler is untyped
+    with _quiet_kineto():
+        prof.__enter__()
+    try:
         yield counts
+    finally:
+        with _quiet_kineto():
+            prof.__exit__(None, None, None)
     for event in prof.events():
         name = event.name
         if name.startswith(("gloo:", "nccl:")):

@@ -21,6 +21,7 @@ PUBLIC = {
     "device_mesh",
     # ranks
     "is_rank0",
+    "is_local_rank0",
     "rank0_only",
     "rank0_first",
     "barrier",

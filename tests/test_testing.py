@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdist.testing import SpawnError, spawn
+from pdist.testing import SpawnError, count_collectives, spawn
 
 
 def _rank_and_pid(offset: int) -> tuple[int, int]:
@@ -106,3 +106,39 @@ def test_a_leaked_process_group_does_not_reach_the_next_job():
     """Workers are reused, so a group a job leaves initialized is destroyed after it."""
     assert spawn(_leak_a_group, 2) == [True, True]
     assert spawn(_is_initialized, 2) == [False, False]
+
+
+def test_count_collectives_prints_nothing(capfd):
+    """The profiler's start/stop lines (kineto's USDT/STAGE lines on fd 2) are swallowed."""
+    for _ in range(2):
+        with count_collectives() as calls:
+            pass
+    assert calls == {}
+    assert capfd.readouterr() == ("", "")
+
+
+def test_count_collectives_keeps_the_blocks_own_output(capfd):
+    """What the block itself writes to stdout and stderr still comes out."""
+    with count_collectives():
+        print("to stdout")
+        print("to stderr", file=sys.stderr)
+    out, err = capfd.readouterr()
+    assert out == "to stdout\n"
+    assert err == "to stderr\n"
+
+
+def _count_a_barrier() -> dict[str, int]:
+    import pdist
+
+    with pdist.distributed() as ctx, count_collectives() as calls:
+        pdist.barrier(ctx)
+    return dict(calls)
+
+
+def test_count_collectives_on_ranks_counts_and_stays_quiet(capfd):
+    """On real ranks the count is right and no profiler line reaches the echoed output."""
+    results = spawn(_count_a_barrier, 2)
+    assert all(sum(calls.values()) == 1 for calls in results), results
+    out, err = capfd.readouterr()
+    assert "USDT" not in out + err
+    assert "profiler_start" not in out + err
