@@ -201,23 +201,30 @@ def _resized(x: torch.Tensor, dim: int, size: int) -> list[int]:
 
 
 class _Launched(NamedTuple):
-    """A collective in flight: its result (final layout), torch's work, the finishing step."""
+    """A collective in flight: its result (final layout), torch's work, the finishing step.
+
+    ``buffers`` are the temporaries the finishing step reads (on an accelerator
+    they must outlive the step on the stream it runs on).
+    """
 
     out: torch.Tensor
     work: Any
     finish: Callable[[], None] | None = None
+    buffers: tuple[torch.Tensor, ...] = ()
 
 
 def _result(launched: _Launched, async_op: bool) -> torch.Tensor:
     """The result: now (wait, finish), or as a tensor that waits and finishes on first use."""
-    out, work, finish = launched
+    out, work, finish, buffers = launched
     if async_op and _register_work is not None and _work_from_future is not None:
         if finish is not None:
 
             def then(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
                 fut.wait()  # raises the collective's error; on CUDA, orders the streams
                 finish()
-                return [out]
+                # A CUDA future records the value's memory on the streams the step ran on,
+                # so the caching allocator does not hand the buffers out while it runs.
+                return [out, *buffers]
 
             work = _work_from_future(work.get_future().then(then))
         _register_work(out, work)
@@ -263,7 +270,7 @@ def _launch_all_gather(group: Group, x: torch.Tensor, dim: int) -> _Launched:
     def finish() -> None:
         blocks.copy_(raw.view(p, *x.shape).movedim(0, dim))  # the one permute
 
-    return _Launched(out, work, finish)
+    return _Launched(out, work, finish, (raw,))
 
 
 def _launch_reduce_scatter(group: Group, x: torch.Tensor, dim: int, op: str) -> _Launched:
@@ -283,7 +290,7 @@ def _launch_reduce_scatter(group: Group, x: torch.Tensor, dim: int, op: str) -> 
             if op == "mean":
                 out.div_(p)
 
-        return _Launched(out, work, reduce_chunks)
+        return _Launched(out, work, reduce_chunks, (recv,))
     work = _reduce_scatter_single(
         out.view(-1), send.view(-1), op=_OPS[op], group=group.device_group, async_op=True
     )
@@ -324,7 +331,7 @@ def _launch_all_to_all(
     def finish() -> None:
         _split(out, gather_dim, p).copy_(recv.movedim(0, gather_dim))
 
-    return _Launched(out, work, finish)
+    return _Launched(out, work, finish, (recv,))
 
 
 # --------------------------------------------------------------------------- traced forms
