@@ -12,11 +12,14 @@ from ._collate import collate_batches as collate_batches
 from ._collectives import all_gather as all_gather
 from ._collectives import all_gather_tensor as all_gather_tensor
 from ._collectives import all_reduce as all_reduce
+from ._collectives import all_reduce_ as all_reduce_
 from ._collectives import all_to_all_4d as all_to_all_4d
 from ._collectives import broadcast as broadcast
+from ._collectives import broadcast_ as broadcast_
 from ._collectives import gather as gather
 from ._collectives import recv as recv
 from ._collectives import reduce as reduce
+from ._collectives import reduce_scatter as reduce_scatter
 from ._collectives import send as send
 from ._collectives import shard as shard
 from ._context import distributed as distributed
@@ -70,9 +73,11 @@ __all__ = [
     "all_gather_object",
     "all_gather_tensor",
     "all_reduce",
+    "all_reduce_",
     "all_to_all_4d",
     "barrier",
     "broadcast",
+    "broadcast_",
     "broadcast_object",
     "broadcast_object_list",
     "broadcast_tensor_dict",
@@ -97,6 +102,7 @@ __all__ = [
     "recv_object",
     "recv_tensor_dict",
     "reduce",
+    "reduce_scatter",
     "same_node_ranks",
     "send",
     "send_object",

@@ -36,7 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick", action="store_true", help="a short run (under a minute on 2 CPU ranks)"
     )
-    bench.add_argument("--json", metavar="PATH", default=None, help="write every figure to PATH")
+    bench.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="write every figure, with the torch version, backend and world size, to PATH",
+    )
     bench.add_argument(
         "--simulate-world",
         metavar="W[,W...]",
@@ -101,21 +106,23 @@ def _bench(args: argparse.Namespace) -> int:
     from ._bench_cases import bench_rank as _bench_rank
 
     if "RANK" in os.environ and args.nproc is None:
-        records = _bench_rank(args.quick, progress=True)
+        report = _bench_rank(args.quick, progress=True)
         if os.environ.get("RANK") != "0":
             return 0
     else:
         from .testing import spawn
 
         nproc = args.nproc or 2
-        records = spawn(_bench_rank, nproc, args.quick, True, timeout=3600, capture_output=False)[0]
-    world = records[0]["world_size"] if records else 0
-    print(f"pdist bench: {world} ranks, {'quick' if args.quick else 'full'} run")
-    print(_format(records))
+        report = spawn(_bench_rank, nproc, args.quick, True, timeout=3600, capture_output=False)[0]
+    print(
+        f"pdist bench: {report['world_size']} ranks, {report['backend']} on {report['device']}, "
+        f"torch {report['torch_version']}, {'quick' if args.quick else 'full'} run"
+    )
+    print(_format(report["records"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(records, f, indent=2)
-        print(f"wrote {len(records)} records to {args.json}")
+            json.dump(report, f, indent=2)
+        print(f"wrote {len(report['records'])} records to {args.json}")
     return 0
 
 

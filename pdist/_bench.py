@@ -3,6 +3,8 @@
 Every case is timed as the median of repeated batches after warm-up, pdist
 and its baselines interleaved batch by batch so that drift hits them alike;
 a rank's figure is the slowest rank's median. Ratios are pdist / baseline.
+The device is synchronized before every timer read, so that on an accelerator
+a batch's time is the work it did, not the time to enqueue it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from ._group import DistContext
 
-__all__ = ["Case", "Record", "run_cases"]
+__all__ = ["Case", "Record", "environment", "run_cases"]
 
 
 @attrs.frozen
@@ -57,10 +59,33 @@ class Record:
         return attrs.asdict(self)
 
 
-def _batch(fn: Callable[[], object], inner: int) -> float:
+def environment(ctx: DistContext) -> dict[str, Any]:
+    """What the figures depend on: torch's version, the backend, the device kind, the world size."""
+    return {
+        "torch_version": torch.__version__,
+        "backend": ctx.backend,
+        "device": ctx.device.type,
+        "world_size": ctx.world_size,
+    }
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """A function that waits for the work queued on ``device`` (nothing to wait for on CPU)."""
+    if device.type == "cpu":
+        return lambda: None
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        return lambda: accelerator.synchronize(device)
+    backend = getattr(torch, device.type)  # torch.cuda, torch.xpu, ... before torch.accelerator
+    return lambda: backend.synchronize(device)
+
+
+def _batch(fn: Callable[[], object], inner: int, synchronize: Callable[[], None]) -> float:
+    synchronize()
     start = time.perf_counter()
     for _ in range(inner):
         fn()
+    synchronize()
     return (time.perf_counter() - start) / inner
 
 
@@ -68,14 +93,16 @@ def _measure(
     ctx: DistContext, fns: dict[str, Callable[[], object]], *, inner: int, warmup: int, repeats: int
 ) -> dict[str, float]:
     cpu = ctx.world.cpu_group
+    synchronize = _synchronizer(ctx.device)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    synchronize()
     samples: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(repeats):
         for name, fn in fns.items():
             dist.barrier(group=cpu)
-            samples[name].append(_batch(fn, inner))
+            samples[name].append(_batch(fn, inner, synchronize))
     medians = torch.tensor([statistics.median(samples[n]) for n in fns], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=cpu)
     return dict(zip(fns, medians.tolist(), strict=True))
@@ -88,7 +115,12 @@ def run_cases(
     quick: bool,
     progress: bool,
 ) -> Iterator[Record]:
-    """Run ``cases`` on every rank; yields one record per case (identical on every rank)."""
+    """Run ``cases`` on every rank; yields one record per case (identical on every rank).
+
+    With ``progress``, the case being timed is shown on stderr, and only when
+    stderr is a terminal (piped or redirected output gets no progress lines).
+    """
+    progress = progress and sys.stderr.isatty()
     selected = [c for c in cases if c.quick or not quick]
     warmup, repeats = (1, 3) if quick else (2, 7)
     for i, case in enumerate(selected, 1):

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._bench import Case, run_cases
+from ._bench import Case, environment, run_cases
 from ._broadcast import broadcast_object_list
 from ._collate import collate_batches
-from ._collectives import all_gather, all_reduce, broadcast
+from ._collectives import all_gather, all_reduce, all_reduce_, broadcast, reduce_scatter
 from ._context import distributed
 from ._group import DistContext
 from ._mq import message_queue
@@ -36,18 +36,26 @@ def _sweep_setup(op: str, numel: int) -> Callable[[DistContext, contextlib.ExitS
 
     def setup(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
         pg = ctx.world.device_group
+        dev = ctx.device
         if op == "all_gather":
-            x = torch.ones(numel // ctx.world_size)  # every rank's part of the output
+            x = torch.ones(numel // ctx.world_size, device=dev)  # every rank's part of the output
+            flat = torch.empty(numel, device=dev)  # the same layout as pdist's result
             outs = [torch.empty_like(x) for _ in range(ctx.world_size)]
             return {
                 "pdist": lambda: all_gather(ctx, x, dim=0),
-                "torch": lambda: dist.all_gather(outs, x, group=pg),
+                "torch": lambda: all_gather_into(flat, x, pg),
+                "torch_list": lambda: dist.all_gather(outs, x, group=pg),
             }
-        x, buf = torch.ones(numel), torch.ones(numel)
+        x, buf = torch.ones(numel, device=dev), torch.ones(numel, device=dev)
         if op == "all_reduce":
+
+            def clone_then_reduce() -> None:
+                dist.all_reduce(x.clone(), group=pg)
+
             return {
                 "pdist": lambda: all_reduce(ctx, x),
                 "torch": lambda: dist.all_reduce(buf, group=pg),
+                "torch_clone_then_all_reduce": clone_then_reduce,  # the out-of-place floor
             }
         return {
             "pdist": lambda: broadcast(ctx, x),
@@ -78,6 +86,138 @@ def _sweep_cases() -> list[Case]:
         for nbytes, quick in _SIZES
         for op, factor in _BUSBW.items()
     ]
+
+
+def _first_use(t: torch.Tensor) -> object:
+    """Touch ``t`` the cheapest way that still waits for an async result."""
+    return t[:1].sum()
+
+
+def _in_place_all_reduce(numel: int) -> Callable[[DistContext, contextlib.ExitStack], Fns]:
+    """all_reduce_ against torch's in-place all_reduce (zeros: repeated sums stay finite)."""
+
+    def setup(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+        ours, theirs = (torch.zeros(numel, device=ctx.device) for _ in range(2))
+        pg = ctx.world.device_group
+        return {
+            "pdist": lambda: all_reduce_(ctx, ours),
+            "torch": lambda: dist.all_reduce(theirs, group=pg),
+        }
+
+    return setup
+
+
+def _async_all_reduce(numel: int) -> Callable[[DistContext, contextlib.ExitStack], Fns]:
+    """all_reduce(async_op=True), then first use, against torch's async forms."""
+
+    def setup(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+        from torch.distributed import _functional_collectives as funcol
+
+        x, buf = torch.ones(numel, device=ctx.device), torch.ones(numel, device=ctx.device)
+        pg = ctx.world.device_group
+        return {
+            "pdist": lambda: _first_use(all_reduce(ctx, x, async_op=True)),
+            # Out of place, waits on first use: the like-for-like baseline.
+            "torch_functional": lambda: _first_use(funcol.all_reduce(x, "sum", pg)),
+            "torch_in_place_async": lambda: dist.all_reduce(buf, group=pg, async_op=True).wait(),
+        }
+
+    return setup
+
+
+def _reduce_scatter(numel: int) -> Callable[[DistContext, contextlib.ExitStack], Fns]:
+    """reduce_scatter against torch's reduce-scatter, and on gloo the all-to-all pdist uses."""
+
+    def setup(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+        world, pg = ctx.world_size, ctx.world.device_group
+        x = torch.ones(numel, device=ctx.device)
+        out = torch.empty(numel // world, device=ctx.device)
+        fns: Fns = {"pdist": lambda: reduce_scatter(ctx, x, dim=0)}
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        if _probe(lambda: scatter(out, x, group=pg)):
+            fns["torch"] = lambda: scatter(out, x, group=pg)
+        if ctx.backend == "gloo":
+            received = torch.empty(numel, device=ctx.device)
+
+            def all_to_all_then_sum() -> None:
+                dist.all_to_all_single(received, x, group=pg)
+                torch.sum(received.view(world, -1), dim=0, out=out)
+
+            fns["torch_all_to_all_then_sum"] = all_to_all_then_sum
+        return fns
+
+    return setup
+
+
+def _all_gather_last_dim(numel: int) -> Callable[[DistContext, contextlib.ExitStack], Fns]:
+    """all_gather along the last dim against all_gather_into_tensor plus the one permute."""
+
+    def setup(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+        world, pg = ctx.world_size, ctx.world.device_group
+        rows = 64
+        x = torch.ones(rows, numel // world // rows, device=ctx.device)
+        raw = torch.empty(world * x.numel(), device=ctx.device)
+        out = torch.empty(rows, world, x.shape[1], device=ctx.device)
+
+        def gather_then_permute() -> None:
+            all_gather_into(raw, x.view(-1), pg)
+            out.copy_(raw.view(world, *x.shape).movedim(0, 1))
+
+        return {"pdist": lambda: all_gather(ctx, x, dim=-1), "torch": gather_then_permute}
+
+    return setup
+
+
+def _probe(call: Callable[[], object]) -> bool:
+    """Whether the backend implements ``call`` (every rank fails alike, before any traffic)."""
+    try:
+        call()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _tensor_cases() -> list[Case]:
+    """The in-place, async, reduce-scatter and last-dim gather cases, at 1 and 16 MiB."""
+    cases = []
+    for nbytes, quick in ((1 << 20, True), (16 << 20, False)):
+        numel = nbytes // 4
+        label = _label(nbytes)
+        cases += [
+            Case(
+                f"all_reduce_ {label}",
+                nbytes,
+                _in_place_all_reduce(numel),
+                3,
+                _BUSBW["all_reduce"],
+                quick,
+            ),
+            Case(
+                f"all_reduce async {label}",
+                nbytes,
+                _async_all_reduce(numel),
+                3,
+                _BUSBW["all_reduce"],
+                quick,
+            ),
+            Case(
+                f"reduce_scatter {label}",
+                nbytes,
+                _reduce_scatter(numel),
+                3,
+                _BUSBW["all_gather"],
+                quick,
+            ),
+            Case(
+                f"all_gather dim=-1 {label}",
+                nbytes,
+                _all_gather_last_dim(numel),
+                3,
+                _BUSBW["all_gather"],
+                quick,
+            ),
+        ]
+    return cases
 
 
 def _structured_a(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
@@ -194,6 +334,7 @@ def all_cases() -> list[Case]:
     """Every case, in the order they run."""
     return [
         *_sweep_cases(),
+        *_tensor_cases(),
         Case("structured broadcast (a) 128 MiB + meta", 128 << 20, _structured_a, 1),
         Case("structured broadcast (b) 1000 x 64 KiB", 1000 * (64 << 10), _structured_b, 1),
         Case("structured broadcast (c) tiny dict", 32, _structured_c, 50),
@@ -203,8 +344,13 @@ def all_cases() -> list[Case]:
     ]
 
 
-def bench_rank(quick: bool, progress: bool) -> list[dict[str, Any]]:
-    """Run every case on this rank inside ``distributed()``; every rank returns the records."""
+def bench_rank(quick: bool, progress: bool) -> dict[str, Any]:
+    """Run every case on this rank inside ``distributed()``; every rank returns the report.
+
+    The report is the :func:`~pdist._bench.environment` (torch version, backend,
+    device, world size), ``quick``, and ``records``: one dict per case.
+    """
     with distributed() as ctx:
         show = progress and ctx.rank == 0
-        return [r.as_json() for r in run_cases(ctx, all_cases(), quick=quick, progress=show)]
+        records = [r.as_json() for r in run_cases(ctx, all_cases(), quick=quick, progress=show)]
+        return {**environment(ctx), "quick": quick, "records": records}

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import pytest
+import torch
 
-from pdist import _doctor
+from pdist import _bench, _doctor
 from pdist.__main__ import main
+from pdist._bench import Case, run_cases
+from pdist.testing import world_sizes
 
 
 def test_doctor_on_two_spawned_ranks(capsys):
@@ -67,14 +72,35 @@ def test_bad_input_exits_2_with_usage(argv, capsys):
     assert "usage: pdist" in capsys.readouterr().err
 
 
+QUICK_TENSOR_CASES = {
+    # case: the torch baseline it must have
+    "all_reduce 1 MiB": "torch",
+    "all_gather 1 MiB": "torch",
+    "all_reduce_ 1 MiB": "torch",
+    "all_reduce async 1 MiB": "torch_functional",
+    # torch's reduce_scatter_tensor where gloo has one (2.13 does), always the gloo equivalent
+    "reduce_scatter 1 MiB": "torch_all_to_all_then_sum",
+    "all_gather dim=-1 1 MiB": "torch",
+}
+
+
 def test_bench_quick_writes_every_figure(tmp_path, capsys):
-    """bench --quick --json records every case with medians and ratios against baselines."""
+    """bench --quick --json records the set-up and every case with medians and ratios."""
     path = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--nproc", "2", "--json", str(path)]) == 0
-    records = json.loads(path.read_text())
+    report = json.loads(path.read_text())
+    assert report["torch_version"] == torch.__version__
+    assert report["backend"] == "gloo"
+    assert report["device"] == "cpu"
+    assert report["world_size"] == 2
+    assert report["quick"] is True
+    records = report["records"]
     names = [r["name"] for r in records]
     assert "structured broadcast (c) tiny dict" in names
     assert "collate_batches 32 x [5000, 8]" in names
+    for name, baseline in QUICK_TENSOR_CASES.items():
+        record = records[names.index(name)]
+        assert baseline in record["ratios"], (name, record["ratios"])
     for record in records:
         assert record["world_size"] == 2
         assert record["bytes"] > 0
@@ -85,4 +111,41 @@ def test_bench_quick_writes_every_figure(tmp_path, capsys):
             expected = record["seconds"]["pdist"] / record["seconds"][name]
             assert record["ratios"][name] == pytest.approx(expected)
     out = capsys.readouterr().out
-    assert "pdist bench: 2 ranks, quick run" in out
+    assert "pdist bench: 2 ranks, gloo on cpu, torch " in out
+    assert "quick run" in out
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+@world_sizes(1)
+def test_bench_progress_only_on_a_terminal(ctx):
+    """Progress goes to stderr on a TTY only; piped stderr gets no progress lines."""
+    case = Case("noop", 1, lambda ctx, stack: {"pdist": lambda: None, "base": lambda: None})
+    for tty in (False, True):
+        stream = _Stream(tty)
+        saved, sys.stderr = sys.stderr, stream
+        try:
+            records = list(run_cases(ctx, [case], quick=True, progress=True))
+        finally:
+            sys.stderr = saved
+        assert [r.name for r in records] == ["noop"]
+        assert ("[1/1] noop" in stream.getvalue()) == tty
+        assert (stream.getvalue() == "") == (not tty)
+
+
+def test_bench_synchronizes_accelerators_before_reading_the_clock(monkeypatch):
+    """On a non-CPU device every timer read follows a device synchronize; on CPU none is needed."""
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(device))
+    assert _bench._synchronizer(torch.device("cpu"))() is None
+    assert calls == []
+    sync = _bench._synchronizer(torch.device("cuda", 1))
+    _bench._batch(lambda: None, 3, sync)
+    assert calls == [torch.device("cuda", 1)] * 2

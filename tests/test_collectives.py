@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pdist
-from pdist.testing import world_sizes
+from pdist.testing import spawn, world_sizes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
@@ -89,126 +89,198 @@ def test_all_gather_gather_reduce_broadcast(ctx):
 
 @world_sizes(2, 3)
 def test_non_contiguous_inputs_are_accepted(ctx):
-    """Non-contiguous inputs are made contiguous, not refused."""
+    """Non-contiguous inputs are made contiguous, not refused; gathers work along every dim."""
     xs = [x.t() for x in _inputs(ctx.world_size, (4, 3), torch.float32, seed=4)]
     assert not xs[ctx.rank].is_contiguous()
-    assert torch.equal(pdist.all_gather(ctx, xs[ctx.rank], dim=0), torch.cat(xs, dim=0))
+    for dim in (0, 1, -1):
+        got = pdist.all_gather(ctx, xs[ctx.rank], dim=dim)
+        assert got.is_contiguous()
+        assert torch.equal(got, torch.cat(xs, dim=dim))
     torch.testing.assert_close(pdist.all_reduce(ctx, xs[ctx.rank]), torch.stack(xs).sum(0))
+    # A leading dim of size 1 makes every rank's block contiguous in the result.
+    ys = _inputs(ctx.world_size, (1, 3, 5), torch.float32, seed=5)
+    for dim in (0, 1, 2):
+        assert torch.equal(pdist.all_gather(ctx, ys[ctx.rank], dim=dim), torch.cat(ys, dim=dim))
+    sliced = [y[:, :, 1:4] for y in _inputs(ctx.world_size, (2, 3, 5), torch.int64, seed=6)]
+    assert torch.equal(pdist.all_gather(ctx, sliced[ctx.rank], dim=1), torch.cat(sliced, dim=1))
 
 
-def _full_attention_input(world_size: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(7)
-    return torch.randn(2, 4 * world_size, 3 * world_size, 5, generator=gen)  # [B, S, H, D]
+def _reference(op, stacked, dtype):
+    wide = stacked.to(torch.float64 if dtype.is_floating_point else dtype)
+    return REFERENCE[op](wide).to(dtype)
 
 
-@world_sizes(2, 3)
-def test_all_to_all_4d_forward_backward_and_inverse(ctx):
-    """[B, S/P, H, D] -> [B, S, H/P, D]; the way back restores the input; gradients match."""
-    p, r = ctx.world_size, ctx.rank
-    full = _full_attention_input(p)
-    s, h = full.shape[1] // p, full.shape[2] // p
-    local = full[:, r * s : (r + 1) * s].clone().requires_grad_(True)
-    out = pdist.all_to_all_4d(ctx, local)
-    assert torch.equal(out, full[:, :, r * h : (r + 1) * h])
-    back = pdist.all_to_all_4d(ctx, out, scatter_dim=1, gather_dim=2)
-    assert torch.equal(back, local)
-    # Global loss sum_r <out_r, W_r>: d/d full is W_r placed at head slice r.
-    weights = _inputs(p, tuple(out.shape), torch.float32, seed=8)
-    (out * weights[r]).sum().backward()
-    expected = torch.cat(weights, dim=2)[:, r * s : (r + 1) * s]
-    torch.testing.assert_close(local.grad, expected)
-    for dtype in (torch.bfloat16, torch.int64):
-        x = full.to(dtype)[:, r * s : (r + 1) * s]
-        assert torch.equal(pdist.all_to_all_4d(ctx, x), full.to(dtype)[:, :, r * h : (r + 1) * h])
+def _assert_matches(got, expected, what):
+    if expected.dtype.is_floating_point:
+        tol = 2e-2 if expected.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(got, expected), what
 
 
 @world_sizes(2, 3)
-def test_differentiable_collectives_gradients(ctx):
-    """Gradients of all_reduce, all_gather and shard follow the sum-over-ranks loss."""
-    p, r = ctx.world_size, ctx.rank
-    xs = _inputs(p, (2, 6), torch.float32, seed=9)
-    ws = _inputs(p, (2, 6), torch.float32, seed=10)
-    x = xs[r].clone().requires_grad_(True)
-    (pdist.all_reduce(ctx, x) * ws[r]).sum().backward()
-    torch.testing.assert_close(x.grad, torch.stack(ws).sum(0))
-
-    x = xs[r].clone().requires_grad_(True)
-    wg = _inputs(p, (2, 6 * p), torch.float32, seed=11)
-    (pdist.all_gather(ctx, x, dim=-1) * wg[r]).sum().backward()
-    torch.testing.assert_close(x.grad, torch.stack(wg).sum(0)[:, r * 6 : (r + 1) * 6])
-
-    for scale in (False, True):
-        full = xs[0].repeat(1, p).clone().requires_grad_(True)  # the same on every rank
-        part = pdist.shard(ctx, full, dim=1, scale_grad=scale)
-        assert torch.equal(part, full.detach()[:, r * 6 : (r + 1) * 6])
-        (part * ws[r]).sum().backward()
-        expected = torch.cat(ws, dim=1) / (p if scale else 1)
-        torch.testing.assert_close(full.grad, expected)
+def test_in_place_variants_match_reference(ctx):
+    """all_reduce_ and broadcast_ write the reference into x itself, contiguous or not."""
+    w, r = ctx.world_size, ctx.rank
+    for dtype in [*DTYPES, torch.bool]:
+        for op in REFERENCE:
+            if (op == "mean" and not dtype.is_floating_point) or (
+                dtype == torch.bool and op not in ("max", "min")
+            ):
+                continue
+            for transpose in (False, True):
+                xs = _inputs(w, (3, 5), dtype, seed=20)
+                if transpose:
+                    xs = [x.t() for x in xs]
+                x = xs[r].clone() if not transpose else xs[r].t().clone().t()
+                assert x.is_contiguous() != transpose
+                assert pdist.all_reduce_(ctx, x, op=op) is x
+                _assert_matches(x, _reference(op, torch.stack(xs), dtype), (op, dtype, transpose))
+        ys = _inputs(w, (5, 3), dtype, seed=21)
+        y = ys[r].t().clone().t()  # non-contiguous
+        assert pdist.broadcast_(ctx, y, src=w - 1) is y
+        assert torch.equal(y, ys[w - 1])
+        z = ys[r].clone()
+        assert pdist.broadcast_(ctx, z) is z
+        assert torch.equal(z, ys[0])
 
 
 @world_sizes(2)
-def test_no_autograd_when_gradients_are_off(ctx):
-    """With gradients disabled, outputs carry no autograd history."""
-    x = torch.ones(2, 4, requires_grad=True)
+def test_in_place_variants_refuse_tensors_that_require_grad(ctx):
+    """With grad mode on, all_reduce_/broadcast_ refuse x.requires_grad and name the fix."""
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(
+        ValueError, match=r"all_reduce_ writes x in place .* \(rank \d+\); use pdist\.all_reduce"
+    ):
+        pdist.all_reduce_(ctx, x)
+    with pytest.raises(ValueError, match=r"broadcast_ writes x in place .* pdist\.broadcast"):
+        pdist.broadcast_(ctx, x)
     with torch.no_grad():
-        assert pdist.all_reduce(ctx, x).grad_fn is None
-        assert pdist.all_gather(ctx, x).grad_fn is None
-    assert pdist.all_reduce(ctx, x).grad_fn is not None
-
-
-@world_sizes(3)
-def test_send_recv_pipeline_order(ctx):
-    """send/recv default to the next and previous rank of the group."""
-    for dtype in DTYPES:
-        x = torch.full((2, 2), ctx.rank, dtype=dtype)
-        # A ring: 0 -> 1 -> 2 -> 0.
-        if ctx.rank == 0:
-            pdist.send(ctx, x)
-            got = pdist.recv(ctx, (2, 2), dtype)
-        else:
-            got = pdist.recv(ctx, (2, 2), dtype)
-            pdist.send(ctx, x)
-        assert torch.equal(got, torch.full((2, 2), ctx.world.prev_rank, dtype=dtype))
-    if ctx.rank == 0:
-        pdist.send(ctx, torch.ones(1), dst=2)
-    elif ctx.rank == 2:
-        assert pdist.recv(ctx, (1,), torch.float32, src=0).item() == 1.0
+        assert pdist.all_reduce_(ctx, x).tolist() == [2.0, 2.0, 2.0]
+        pdist.broadcast_(ctx, x, src=1)
+    assert torch.equal(pdist.all_reduce_(ctx, torch.ones(2)), torch.full((2,), 2.0))
 
 
 @world_sizes(2, 3)
-def test_bad_arguments_raise_on_every_rank_before_any_collective(ctx):
-    """Out-of-range src/dst/dim and bad all_to_all_4d shapes raise ValueError everywhere."""
-    w = ctx.world_size
-    x = torch.ones(2, w + 1, 4, 4)
-    with pytest.raises(ValueError, match=rf"src={w} is outside group 'world' of size {w}"):
-        pdist.broadcast(ctx, x.contiguous(), src=w)
-    with pytest.raises(ValueError, match=rf"dst=-1 is outside group 'world' of size {w}"):
-        pdist.gather(ctx, x, dst=-1)
-    with pytest.raises(ValueError, match=r"dim=4 is out of range for a 4-D tensor"):
-        pdist.all_gather(ctx, x, dim=4)
-    with pytest.raises(ValueError, match=r"needs a 4-D tensor, got shape \(2, 3\)"):
-        pdist.all_to_all_4d(ctx, torch.ones(2, 3))
-    with pytest.raises(
-        ValueError, match=rf"size {w + 1}, which the group size {w} does not divide"
-    ):
-        pdist.all_to_all_4d(ctx, x, scatter_dim=1, gather_dim=2)
-    with pytest.raises(ValueError, match=r"op='avg' is not one of"):
-        pdist.all_reduce(ctx, x, op="avg")
-    with pytest.raises(TypeError, match=r"op='mean' needs a floating-point tensor"):
-        pdist.all_reduce(ctx, torch.ones(2, dtype=torch.int64), op="mean")
-    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
-        pdist.all_reduce(ctx, [1.0])
-    # Nothing was left half-done: a collective still lines up.
-    assert pdist.all_reduce(ctx, torch.ones(1)).item() == w
+def test_reduce_scatter_matches_reference(ctx):
+    """Rank r gets chunk r of the reduction, for every dim, op and dtype, contiguous or not."""
+    w, r = ctx.world_size, ctx.rank
+    for dtype in [*DTYPES, torch.bool]:
+        for op in REFERENCE:
+            if (op == "mean" and not dtype.is_floating_point) or (
+                dtype == torch.bool and op not in ("max", "min")
+            ):
+                continue
+            xs = _inputs(w, (3 * w, 5, 2 * w), dtype, seed=30)
+            full = _reference(op, torch.stack(xs), dtype)
+            for dim in (0, 2, -1):
+                got = pdist.reduce_scatter(ctx, xs[r], dim=dim, op=op)
+                assert got.is_contiguous()
+                _assert_matches(got, full.chunk(w, dim=dim)[r], (op, dtype, dim))
+    xs = [x.transpose(0, 2) for x in _inputs(w, (2 * w, 5, 3 * w), torch.float32, seed=31)]
+    assert not xs[r].is_contiguous()
+    for dim in (0, 2):
+        got = pdist.reduce_scatter(ctx, xs[r], dim=dim)
+        torch.testing.assert_close(got, torch.stack(xs).sum(0).chunk(w, dim=dim)[r])
+    with pytest.raises(ValueError, match=rf"size 5, which the group size {w} does not divide"):
+        pdist.reduce_scatter(ctx, xs[r], dim=1)
+
+
+@world_sizes(2, 3)
+def test_reduce_scatter_gradients(ctx):
+    """For the loss sum_r <out_r, W_r>, d/dx on every rank is the concatenation of the W_r."""
+    p, r = ctx.world_size, ctx.rank
+    xs = _inputs(p, (2 * p, 3), torch.float32, seed=40)
+    ws = _inputs(p, (2, 3), torch.float32, seed=41)
+    for op, scale in (("sum", 1.0), ("mean", 1.0 / p)):
+        x = xs[r].clone().requires_grad_(True)
+        out = pdist.reduce_scatter(ctx, x, dim=0, op=op)
+        torch.testing.assert_close(out.detach(), torch.stack(xs).sum(0)[2 * r : 2 * r + 2] * scale)
+        (out * ws[r]).sum().backward()
+        torch.testing.assert_close(x.grad, torch.cat(ws, dim=0) * scale)
+    # Along the last dim, with a non-contiguous input.
+    x = xs[r].t().clone().requires_grad_(True)  # [3, 2P]
+    (pdist.reduce_scatter(ctx, x.t().t(), dim=-1) * ws[r].t()).sum().backward()
+    torch.testing.assert_close(x.grad, torch.cat([w_.t() for w_ in ws], dim=-1))
+
+
+ASYNC_CASES = {
+    "all_reduce": lambda g, x, x4, a: pdist.all_reduce(g, x, op="mean", async_op=a),
+    "all_gather 0": lambda g, x, x4, a: pdist.all_gather(g, x, dim=0, async_op=a),
+    "all_gather -1": lambda g, x, x4, a: pdist.all_gather(g, x, dim=-1, async_op=a),
+    "reduce_scatter 0": lambda g, x, x4, a: pdist.reduce_scatter(g, x, dim=0, async_op=a),
+    "reduce_scatter 1": lambda g, x, x4, a: pdist.reduce_scatter(
+        g, x.transpose(0, 1), dim=1, async_op=a
+    ),
+    "all_to_all_4d": lambda g, x, x4, a: pdist.all_to_all_4d(g, x4, async_op=a),
+    "all_to_all_4d to 0": lambda g, x, x4, a: pdist.all_to_all_4d(
+        g, x4, scatter_dim=2, gather_dim=0, async_op=a
+    ),
+}
+
+
+def _async_inputs(ctx, requires_grad=False):
+    p, r = ctx.world_size, ctx.rank
+    x = _inputs(p, (2 * p, 3, 5), torch.float32, seed=50)[r]
+    x4 = _inputs(p, (2, 3, 2 * p, 5), torch.float32, seed=51)[r]
+    return x.requires_grad_(requires_grad), x4.requires_grad_(requires_grad)
+
+
+@world_sizes(2, 3)
+def test_async_results_equal_sync_results(ctx):
+    """async_op=True returns a tensor that waits on first use and equals the sync result."""
+    x, x4 = _async_inputs(ctx)
+    for name, call in ASYNC_CASES.items():
+        expected = call(ctx, x, x4, False)
+        pending = call(ctx, x, x4, True)
+        assert isinstance(pending, torch.Tensor), name
+        assert pending.shape == expected.shape, name
+        a = torch.randn(64, 64)
+        for _ in range(3):  # unrelated compute while the collective is in flight
+            a = a @ a.t() / 64
+        assert torch.equal(pending[0], expected[0]), name  # a view first
+        assert torch.equal(pending * 1, expected), name
+        assert pending.tolist() == expected.tolist(), name
+    # A chain: an async result fed to the next collective before anyone used it.
+    y = torch.full((2 * ctx.world_size,), float(ctx.rank))
+    chained = pdist.all_reduce(ctx, pdist.all_reduce(ctx, y, async_op=True), async_op=True)
+    assert torch.equal(chained, pdist.all_reduce(ctx, pdist.all_reduce(ctx, y)))
+    z = pdist.all_gather(ctx, y, async_op=True)
+    assert pdist.all_reduce_(ctx, z) is z
+    assert torch.equal(z, pdist.all_reduce(ctx, pdist.all_gather(ctx, y)))
+
+
+@world_sizes(2)
+def test_async_results_are_differentiable(ctx):
+    """Gradients through async results equal those through sync results."""
+    for name, call in ASYNC_CASES.items():
+        grads = []
+        for async_op in (False, True):
+            x, x4 = _async_inputs(ctx, requires_grad=True)
+            out = call(ctx, x, x4, async_op)
+            weight = torch.arange(out.numel(), dtype=torch.float32).reshape(out.shape) + ctx.rank
+            (out * weight).sum().backward()
+            grads.append(x4.grad if name.startswith("all_to_all") else x.grad)
+        torch.testing.assert_close(grads[0], grads[1], msg=lambda m, n=name: f"{n}: {m}")
 
 
 @world_sizes(1)
 def test_one_rank_group_is_identity(ctx):
-    """On a one-rank group every collective is the identity."""
+    """On a one-rank group every collective is the identity, async or not."""
     x = torch.arange(8.0).reshape(1, 2, 2, 2)
     assert pdist.all_reduce(ctx, x) is x
+    assert pdist.all_reduce(ctx, x, async_op=True) is x
+    assert pdist.all_reduce_(ctx, x, op="mean") is x
+    assert pdist.broadcast_(ctx, x) is x
+    assert torch.equal(x, torch.arange(8.0).reshape(1, 2, 2, 2))
     assert pdist.all_gather(ctx, x) is x
+    assert pdist.all_gather(ctx, x, dim=1, async_op=True) is x
+    assert pdist.reduce_scatter(ctx, x) is x
+    assert pdist.reduce_scatter(ctx, x, dim=0, op="max", async_op=True) is x
     assert pdist.all_to_all_4d(ctx, x) is x
+    assert pdist.all_to_all_4d(ctx, x, async_op=True) is x
+    with pytest.raises(ValueError, match="all_reduce_ writes x in place"):
+        pdist.all_reduce_(ctx, x.clone().requires_grad_(True))
     assert pdist.shard(ctx, x, scale_grad=True) is x
     assert pdist.broadcast(ctx, x) is x
     assert pdist.gather(ctx, x) is x
@@ -219,23 +291,111 @@ def test_one_rank_group_is_identity(ctx):
 
 @world_sizes(2)
 def test_compiles_without_graph_breaks(ctx):
-    """all_reduce, all_gather and all_to_all_4d trace under fullgraph=True and match eager."""
+    """The traceable collectives, async ones included, compile under fullgraph=True."""
 
-    def step(x):
-        y = pdist.all_reduce(ctx.world, x) * 2
-        z = pdist.all_gather(ctx.world, y, dim=0)  # [4, 12]
-        return pdist.all_to_all_4d(ctx.world, z.reshape(2, 2, 4, 3))
+    def step(x, async_op):
+        y = pdist.all_reduce(ctx.world, x, async_op=async_op) * 2
+        z = pdist.all_gather(ctx.world, y, dim=0, async_op=async_op)  # [4, 12]
+        u = pdist.all_to_all_4d(ctx.world, z.reshape(2, 2, 4, 3), async_op=async_op)
+        v = pdist.reduce_scatter(ctx.world, u.reshape(8, 6), dim=-1, async_op=async_op)  # [8, 3]
+        w = pdist.all_gather(ctx.world, y, dim=-1, async_op=async_op)  # [2, 24]
+        return v + w.reshape(8, 6)[:, 1:4]
 
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    def in_place(x):
+        x = x * 1
+        pdist.all_reduce_(ctx.world, x, op="mean")
+        return pdist.broadcast_(ctx.world, x, src=1) + 1
+
     x = torch.arange(24.0).reshape(2, 12) + ctx.rank
+    expected = step(x, False)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled_in_place = torch.compile(in_place, backend="aot_eager", fullgraph=True)
     try:
-        assert torch.equal(compiled(x), step(x))
-        xa = x.clone().requires_grad_(True)
-        xb = x.clone().requires_grad_(True)
-        compiled(xa).square().sum().backward()
-        step(xb).square().sum().backward()
-        torch.testing.assert_close(xa.grad, xb.grad)
+        for async_op in (False, True):
+            assert torch.equal(compiled(x, async_op), expected)
+            xa = x.clone().requires_grad_(True)
+            xb = x.clone().requires_grad_(True)
+            compiled(xa, async_op).square().sum().backward()
+            step(xb, async_op).square().sum().backward()
+            torch.testing.assert_close(xa.grad, xb.grad)
+        explained = torch._dynamo.explain(step)(x, True)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert torch.equal(compiled_in_place(x), in_place(x))
     finally:
         # Compiled code holds the process groups; release it before the group is destroyed.
+        del compiled, compiled_in_place, explained
+        torch._dynamo.reset()
+
+
+@world_sizes(3)
+def test_compiled_in_place_collectives_on_a_subgroup(ctx):
+    """Compiled broadcast_/all_reduce_ on ranks (1, 2) use group-relative src like eager ones."""
+    group = pdist.new_group(ctx, [[1, 2]], name="pair")
+    if group is None:
+        return
+
+    def step(x):
+        y = pdist.broadcast_(group, x * 1, src=1)  # global rank 2's
+        return pdist.all_reduce_(group, y + group.rank_in_group)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    try:
+        x = torch.full((3,), float(ctx.rank))
+        assert torch.equal(compiled(x), step(x))
+        assert torch.equal(step(x), torch.full((3,), 5.0))  # (2 + 0) + (2 + 1)
+    finally:
         del compiled
         torch._dynamo.reset()
+
+
+def _compiled_call_after_exit():
+    with pdist.distributed() as ctx:
+        group = ctx.world
+        compiled = torch.compile(
+            lambda x: pdist.all_gather(group, x, dim=-1) * 2, backend="aot_eager", fullgraph=True
+        )
+        compiled(torch.ones(2))
+    try:
+        compiled(torch.ones(2))
+    except pdist.PdistError as error:
+        return str(error)
+    finally:
+        del compiled
+        torch._dynamo.reset()
+    return "no error"
+
+
+def test_compiled_function_after_exit_raises_pdist_error():
+    """A compiled function called after its block exited raises PdistError, not dynamo's error."""
+    for message in spawn(_compiled_call_after_exit, 2, timeout=120):
+        assert message.startswith("this pdist context is closed"), message
+        assert "torch.compile" in message
+
+
+def test_options_after_the_tensor_are_keyword_only():
+    """op, dim, scatter_dim and gather_dim cannot be passed by position; src/dst can."""
+    x = torch.ones(2)
+    calls = [
+        lambda: pdist.all_reduce(None, x, "sum"),
+        lambda: pdist.all_reduce_(None, x, "sum"),
+        lambda: pdist.all_gather(None, x, 0),
+        lambda: pdist.reduce_scatter(None, x, 0),
+        lambda: pdist.gather(None, x, 0, 1),
+        lambda: pdist.reduce(None, x, 0, "sum"),
+        lambda: pdist.broadcast_(None, x, 0),
+        lambda: pdist.all_to_all_4d(None, x, 2, 1),
+        lambda: pdist.shard(None, x, -1, True),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="positional argument"):
+            call()
+    for call in (
+        lambda: pdist.gather(None, x, 0),
+        lambda: pdist.reduce(None, x, 0),
+        lambda: pdist.broadcast(None, x, 0),
+        lambda: pdist.shard(None, x, -1, scale_grad=True),
+        lambda: pdist.send(None, x, 0),
+        lambda: pdist.recv(None, (2,), torch.float32, 0),
+    ):
+        with pytest.raises(TypeError, match="must be a pdist Group or DistContext"):
+            call()
