@@ -76,11 +76,10 @@ SEED_ENVIRONMENT = [
     "TORCH_NCCL_BLOCKING_WAIT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 ]
+
+
 # Named by the guide and added with the keyword-only tensor options (issue 17, item 5), on
 # another branch; drop each from this set once pdist exports it.
-PENDING = {"all_reduce_", "broadcast_", "reduce_scatter"}
-
-
 def _guide() -> str:
     return GUIDE.read_text()
 
@@ -158,7 +157,7 @@ def _code_snippets(text: str) -> list[str]:
 def test_every_pdist_name_in_the_guide_exists():
     """Every ``pdist.x`` the guide mentions is public (or listed as pending)."""
     for name in set(re.findall(r"\bpdist\.(\w+)", _guide())):
-        assert name in pdist.__all__ or name == "testing" or name in PENDING, name
+        assert name in pdist.__all__ or name == "testing", name
 
 
 def test_the_guides_code_parses_and_its_pdist_calls_fit_the_signatures():
@@ -170,7 +169,7 @@ def test_the_guides_code_parses_and_its_pdist_calls_fit_the_signatures():
             if not isinstance(node, ast.Call):
                 continue
             name = _dotted(node.func)
-            if name is None or not name.startswith("pdist.") or name[6:] in PENDING:
+            if name is None or not name.startswith("pdist."):
                 continue
             if any(isinstance(a, ast.Starred) for a in node.args) or any(
                 k.arg is None for k in node.keywords
