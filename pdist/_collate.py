@@ -5,10 +5,17 @@
 
 ``collate_batches`` issues a bounded number of collectives, whatever the
 number of leaves: one metadata exchange for the whole structure (one
-collective on the CPU group when it fits 4 KiB), then at most three
-all-gathers per transport (CPU group for CPU tensors, device group for device
-tensors) carrying the leaves as raw bytes. On the CPU group, leaves of equal
-row size are gathered straight into dataset order (see ``_gather_rows``).
+collective on the CPU group when it fits 4 KiB), one small all-reduce once
+every rank has allocated its buffers, then at most three all-gathers per
+transport (CPU group for CPU tensors, device group for device tensors)
+carrying the leaves as raw bytes. On the CPU group, leaves of equal row size
+are gathered straight into dataset order (see ``_gather_rows``).
+
+Fail together: everything a rank checks about its own batches (their type,
+structure, devices, layouts) travels in the metadata exchange, as an error
+marker when it fails, and a failed allocation travels through the
+all-reduce; then every rank raises the same error, naming the rank. The
+records are plain data (JSON), never pickles.
 
 Measured and left out: exchanging the rows through /dev/shm segments when
 the group shares a host (tmpfs pages cost about 3 ms per 5 MB per call, more
@@ -19,6 +26,7 @@ exchange is in flight (4% faster, for a speculative send layout).
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, NamedTuple
 
@@ -30,7 +38,6 @@ from . import _wire
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._payload import buffer, layout, process_group, transport_device
-from ._serialize import TensorSpec, dtype_name
 from ._wire import all_gather_into
 
 __all__ = ["EvalSampler", "collate_batches"]
@@ -67,6 +74,8 @@ class EvalSampler(Sampler[int]):
 
 Spec = Any  # "T" for a tensor leaf, or (kind, keys, children)
 
+_WHAT = "collate_batches"
+
 
 def _flatten(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]]) -> Spec:
     if isinstance(obj, torch.Tensor):
@@ -74,16 +83,30 @@ def _flatten(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]]) -> Spe
         return "T"
     if isinstance(obj, dict):
         keys = tuple(obj)
+        for k in keys:
+            if not _plain_key(k):
+                msg = (
+                    f"{path or 'a batch'} has the key {k!r} "
+                    f"({type(k).__name__}); keys travel between ranks as plain data: use str, "
+                    "int, float, bool, None or tuples of them"
+                )
+                raise TypeError(msg)
         return ("dict", keys, tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys))
     if isinstance(obj, (list, tuple)):
         kind = "list" if isinstance(obj, list) else "tuple"
         children = tuple(_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj))
         return (kind, len(obj), children)
     msg = (
-        f"collate_batches: {path or 'a batch'} is a {type(obj).__name__}; batches hold "
+        f"{path or 'a batch'} is a {type(obj).__name__}; batches hold "
         "tensors in (nested) dicts, lists and tuples"
     )
     raise TypeError(msg)
+
+
+def _plain_key(key: Any) -> bool:
+    if isinstance(key, tuple):
+        return all(_plain_key(k) for k in key)
+    return key is None or isinstance(key, (str, int, float))
 
 
 def _unflatten(spec: Spec, leaves: Iterator[torch.Tensor]) -> Any:
@@ -111,8 +134,33 @@ def _follow(obj: Any, spec: Spec, leaves: list[torch.Tensor]) -> bool:
     return all(_follow(v, c, leaves) for v, c in zip(obj, children, strict=True))
 
 
-def _local(batches: Sequence[Any]) -> tuple[Spec, list[str], list[list[torch.Tensor]]]:
+def _leaf_problem(t: torch.Tensor, device: torch.device) -> str | None:
+    """Why ``t`` cannot be gathered as raw bytes (None: it can)."""
+    if t.is_nested:
+        return "a nested tensor; pad it (torch.nested.to_padded_tensor) first"
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor; collate_batches gathers dense tensors: pass .to_dense()"
+    if t.is_quantized:
+        return "a quantized tensor; pass .dequantize()"
+    if t.device.type != "cpu" and t.device != device:
+        return (
+            f"on {t.device}; collate_batches gathers CPU tensors and tensors on the group's "
+            f"device {device}: move it with .cpu() or .to({str(device)!r})"
+        )
+    return None
+
+
+def _local(batches: Any, device: torch.device) -> tuple[Spec, list[str], list[list[torch.Tensor]]]:
     """This rank's batches, leaf by leaf (columns); raises ValueError/TypeError on bad input."""
+    if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
+        got = "None" if batches is None else f"a {type(batches).__name__}"
+        msg = (
+            f"batches must be a list of this rank's per-batch outputs, got "
+            f"{got}; pass [] on a rank without samples"
+        )
+        raise TypeError(msg)
+    if not batches:
+        return None, [], []
     named: list[tuple[str, torch.Tensor]] = []
     spec = _flatten(batches[0], "", named)
     names = [name for name, _ in named]
@@ -123,27 +171,71 @@ def _local(batches: Sequence[Any]) -> tuple[Spec, list[str], list[list[torch.Ten
         if i == 0:
             leaves = firsts
         elif not _follow(batch, spec, leaves):
-            msg = f"collate_batches: batch {i} has another structure than batch 0"
+            msg = f"batch {i} has another structure than batch 0"
             raise ValueError(msg)
         if any(t.dim() == 0 for t in leaves):
-            msg = f"collate_batches: batch {i} has a 0-d tensor; the sample dimension comes first"
+            msg = f"batch {i} has a 0-d tensor; the sample dimension comes first"
             raise ValueError(msg)
         sizes = {t.shape[0] for t in leaves}
         if len(sizes) > 1:
-            msg = (
-                f"collate_batches: the leaves of batch {i} hold different sample counts "
-                f"{sorted(sizes)}"
-            )
+            msg = f"the leaves of batch {i} hold different sample counts {sorted(sizes)}"
             raise ValueError(msg)
         for name, first, t, column in zip(names, firsts, leaves, columns, strict=True):
+            problem = _leaf_problem(t, device)
+            if problem is not None:
+                msg = f"leaf {name} of batch {i} is {problem}"
+                raise ValueError(msg)
             if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
                 msg = (
-                    f"collate_batches: leaf {name} is {t.dtype} {tuple(t.shape[1:])} in batch {i} "
+                    f"leaf {name} is {t.dtype} {tuple(t.shape[1:])} in batch {i} "
                     f"but {first.dtype} {tuple(first.shape[1:])} in batch 0"
+                )
+                raise ValueError(msg)
+            if t.device != first.device:
+                msg = (
+                    f"leaf {name} is on {t.device} in batch {i} but on "
+                    f"{first.device} in batch 0; keep each leaf on one device"
                 )
                 raise ValueError(msg)
             column.append(t.detach() if t.requires_grad else t)
     return spec, names, columns
+
+
+# --------------------------------------------------------------------------- metadata records
+
+
+class _Leaf(NamedTuple):
+    """What every rank agreed on about one leaf: its dtype, trailing shape and device type."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device_type: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per sample."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _record(spec: Spec, names: list[str], local: list[list[torch.Tensor]]) -> dict[str, Any]:
+    """This rank's metadata: plain data (the exchange carries JSON; tuples arrive as lists)."""
+    return {
+        "spec": spec,
+        "names": names,
+        "leaves": [
+            [_dtype_name(c[0].dtype), list(c[0].shape[1:]), c[0].device.type] for c in local
+        ],
+        "count": sum(t.shape[0] for t in local[0]) if local else 0,
+    }
 
 
 def _tuples(value: Any) -> Any:
@@ -151,6 +243,65 @@ def _tuples(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
     return value
+
+
+def _leaf_count(spec: Spec) -> int:
+    """The number of leaves of a received ``spec``; ValueError when it is not one."""
+    if spec == "T":
+        return 1
+    if not isinstance(spec, tuple) or len(spec) != 3 or not isinstance(spec[2], tuple):
+        raise ValueError(spec)
+    kind, keys, children = spec
+    if kind == "dict":
+        if not isinstance(keys, tuple) or len(keys) != len(children):
+            raise ValueError(spec)
+    elif kind not in ("list", "tuple") or keys != len(children) or isinstance(keys, bool):
+        raise ValueError(spec)
+    return sum(_leaf_count(c) for c in children)
+
+
+_Present = tuple[Spec, tuple[str, ...], tuple[tuple[str, tuple[int, ...], str], ...]]
+
+
+def _parse(g: Group, records: list[Any]) -> tuple[list[int], dict[int, _Present]]:
+    """Sample counts per rank, and the structure of every rank that has batches.
+
+    Raises:
+        PdistError: A record is not what pdist sends (the same on every rank).
+    """
+    counts: list[int] = []
+    present: dict[int, _Present] = {}
+    for rank, record in zip(g.ranks, records, strict=True):
+        try:
+            count = record["count"]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(count)
+            counts.append(count)
+            if record["spec"] is None:
+                continue
+            spec = _tuples(record["spec"])
+            n = _leaf_count(spec)
+            names = tuple(record["names"])
+            leaves = tuple(
+                (dtype, tuple(shape), device) for dtype, shape, device in record["leaves"]
+            )
+            if len(names) != n or len(leaves) != n or not all(isinstance(s, str) for s in names):
+                raise ValueError(names)
+            for dtype, shape, device in leaves:
+                if not isinstance(dtype, str) or not isinstance(device, str):
+                    raise ValueError(dtype)
+                if not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+                ):
+                    raise ValueError(shape)
+            present[rank] = (spec, names, leaves)
+        except (KeyError, TypeError, ValueError, RecursionError):
+            msg = (
+                f"collate_batches on group {g.name!r}: rank {rank} sent a malformed metadata "
+                "record; do all ranks run the same pdist version?"
+            )
+            raise PdistError(msg) from None
+    return counts, present
 
 
 def _describe(ranks: list[int]) -> str:
@@ -166,33 +317,31 @@ def _disagreement(what: str, values: dict[int, Any]) -> str:
 
 
 def _validate(
-    group: Group, records: list[Any]
-) -> tuple[Spec, list[str], list[TensorSpec], list[int]]:
-    """Check the exchanged records agree; the same verdict on every rank."""
-    errors = [(r, rec[0]) for r, rec in enumerate(records) if rec[0] is not None]
-    if errors:
-        rank, text = errors[0]
-        msg = f"{text} (on rank {group.ranks[rank]})"
-        raise PdistError(msg)
-    present = {group.ranks[r]: rec for r, rec in enumerate(records) if rec[1] is not None}
-    counts = [rec[4] for rec in records]
+    g: Group, counts: list[int], present: dict[int, _Present]
+) -> tuple[Spec, list[_Leaf]]:
+    """Check the ranks' records agree; the same verdict on every rank."""
     if not present:
-        return None, [], [], counts
-    specs = {r: rec[1] for r, rec in present.items()}
-    if len({repr(s) for s in specs.values()}) > 1:
-        names = {r: tuple(rec[2]) for r, rec in present.items()}
-        raise RankMismatchError(_disagreement("the structure (leaves)", names))
-    first = next(iter(present.values()))
-    spec, names = first[1], first[2]
-    leaf_specs: list[TensorSpec] = []
+        return None, []
+    if len({repr(spec) for spec, _, _ in present.values()}) > 1:
+        by_rank = {r: names for r, (_, names, _) in present.items()}
+        raise RankMismatchError(_disagreement("the structure (leaves)", by_rank))
+    spec, names, first_leaves = next(iter(present.values()))
+    leaves: list[_Leaf] = []
     for i, name in enumerate(names):
         for field, label in ((0, "dtype"), (1, "trailing shape"), (2, "device type")):
-            values = {r: rec[3][i][field] for r, rec in present.items()}
+            values = {r: rec[2][i][field] for r, rec in present.items()}
             if len(set(values.values())) > 1:
                 raise RankMismatchError(_disagreement(f"the {label} of leaf {name}", values))
-        dtype, shape, device_type = first[3][i]
-        leaf_specs.append(TensorSpec(dtype, tuple(shape), device_type, False, False))
-    total, world = sum(counts), group.world_size
+        dtype_name, shape, device_type = first_leaves[i]
+        dtype = _dtype(dtype_name)
+        if dtype is None:
+            msg = (
+                f"collate_batches on group {g.name!r}: leaf {name} has dtype {dtype_name!r}, "
+                "which this rank's torch does not know; run one torch version on every rank"
+            )
+            raise PdistError(msg)
+        leaves.append(_Leaf(dtype, shape, device_type))
+    total, world = sum(counts), g.world_size
     expected = [len(range(r, total, world)) for r in range(world)]
     if counts != expected:
         msg = (
@@ -200,7 +349,31 @@ def _validate(
             f"{total} samples over {world} ranks ({expected}); shard the dataset with EvalSampler"
         )
         raise RankMismatchError(msg)
-    return spec, names, leaf_specs, counts
+    return spec, leaves
+
+
+def _exchange(g: Group, record: dict[str, Any], error: BaseException | None) -> list[Any]:
+    """Every rank's record; a rank's local ``error`` raises on every rank instead."""
+    if error is not None:
+        _wire.all_gather_bytes(g, None, error=error, what=_WHAT)  # raises on every rank
+    return _wire.exchange(g, record, what=_WHAT)
+
+
+def _fail_together(g: Group, error: BaseException | None) -> None:
+    """One small all-reduce: whether some rank failed; if one did, every rank raises.
+
+    The failure's text then travels as an error marker in a second collective,
+    so every rank raises the same :class:`~pdist.RemoteError` naming the first
+    failing rank.
+    """
+    n = g.world_size
+    flag = torch.tensor([n - 1 - g.rank_in_group if error is not None else -1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g.cpu_group)
+    if int(flag.item()) < 0:
+        return
+    _wire.all_gather_bytes(g, b"", error=error, what=_WHAT)
+    msg = f"collate_batches on group {g.name!r}: a rank failed but sent no error marker"
+    raise PdistError(msg)  # unreachable: the gather above raised on every rank
 
 
 def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
@@ -211,9 +384,13 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     from an :class:`EvalSampler` over ``group``. Every rank gets the outputs of
     the whole dataset in the original index order, as one tensor or the same
     nested structure. A rank with no samples passes an empty list and still
-    gets the full result.
+    gets the full result. Leaves are dense tensors on the CPU or on the
+    group's device; dict keys are str, int, float, bool, None or tuples of
+    them.
 
-    .. note:: All ranks of the group must call it.
+    .. note:: All ranks of the group must call it. Whatever goes wrong on one
+       rank (bad ``batches``, a leaf on another device, a sparse leaf, memory
+       for the result) raises on every rank, naming that rank.
 
     Returns:
         The collated outputs; None when no rank has any batch.
@@ -222,35 +399,37 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
         RankMismatchError: On every rank, when ranks disagree about the keys,
             trailing shapes, dtypes or devices of the leaves, or hold sample
             counts that EvalSampler cannot produce.
-        PdistError: On every rank, when some rank's own batches are malformed
-            (the message names the rank).
+        PdistError: On every rank, when some rank's own ``batches`` are
+            malformed or it cannot allocate its buffers: a ``RemoteError``
+            whose message names the rank and says what to change (that rank's
+            own error is its cause there).
+        TypeError: On a one-rank group, when ``batches`` is not a list.
+        ValueError: On a one-rank group, when ``batches`` is malformed.
     """
     g = as_group(group)
-    if not isinstance(batches, Sequence):
-        msg = f"batches must be a list of per-batch outputs, got {type(batches).__name__}"
-        raise TypeError(msg)
     try:
-        spec, names, local = _local(batches) if len(batches) else (None, [], [])
-        error = None
-    except (TypeError, ValueError) as exc:
-        spec, names, local, error = None, [], [], str(exc)
-    leaves = [(dtype_name(c[0].dtype), tuple(c[0].shape[1:]), c[0].device.type) for c in local]
-    count = sum(t.shape[0] for t in local[0]) if local else 0
-    record = (error, spec, names, leaves, count)
-    records = (
-        [record]
-        if g.world_size == 1
-        else [_tuples(r) for r in _wire.exchange(g, record, what="collate_batches")]
-    )
-    spec, names, leaf_specs, counts = _validate(g, records)
+        spec, names, local = _local(batches, g.device)
+        error: BaseException | None = None
+    except Exception as exc:
+        spec, names, local, error = None, [], [], exc
+    if g.world_size == 1:
+        if error is not None:
+            raise error
+        if spec is None:
+            return None
+        return _unflatten(spec, iter(torch.cat(c) if len(c) > 1 else c[0] for c in local))
+    records = _exchange(g, _record(spec, names, local), error)
+    counts, present = _parse(g, records)
+    spec, leaves = _validate(g, counts, present)
     if spec is None:
         return None
-    if g.world_size == 1:
-        return _unflatten(spec, iter(torch.cat(c) if len(c) > 1 else c[0] for c in local))
-    return _unflatten(spec, iter(_gather_leaves(g, local, leaf_specs, counts)))
+    return _unflatten(spec, iter(_gather_leaves(g, local, leaves, counts)))
 
 
-def _device(g: Group, spec: TensorSpec) -> torch.device:
+# --------------------------------------------------------------------------- gathers
+
+
+def _device(g: Group, spec: _Leaf) -> torch.device:
     """Where a gathered leaf lives: on the CPU if it came from the CPU, else the group's device."""
     return torch.device("cpu") if spec.device_type == "cpu" else g.device
 
@@ -264,7 +443,7 @@ class _Call(NamedTuple):
     """What every gather of one ``collate_batches`` call shares."""
 
     local: list[list[torch.Tensor]]  # this rank's batches, leaf by leaf
-    specs: list[TensorSpec]
+    specs: list[_Leaf]
     world: int
     rows: int  # samples per rank and leaf on the wire: the largest count (the rest is padding)
     samples: int  # this rank's samples
@@ -274,8 +453,11 @@ class _Call(NamedTuple):
 Finish = Callable[[], list[tuple[int, torch.Tensor]]]
 """Waits for one gather; returns ``(leaf index, gathered leaf)`` pairs."""
 
+Start = Callable[[], Finish]
+"""Packs this rank's part of one gather into its (allocated) buffer and starts the gather."""
 
-def _plan(specs: list[TensorSpec], leaves: list[int], gathered_rows: int) -> list[list[int]]:
+
+def _plan(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[list[int]]:
     """Split one transport's leaves into runs of one gather each (at most three).
 
     Leaves with equal row bytes can be gathered with the interleave fused into
@@ -308,11 +490,11 @@ def _pack(call: _Call, run: list[int], mine: torch.Tensor, offsets: list[int]) -
         return
     for i, offset in zip(run, offsets, strict=True):
         spec = call.specs[i]
-        start = mine[offset : offset + call.samples * spec.nbytes].view(spec.torch_dtype)
+        start = mine[offset : offset + call.samples * spec.nbytes].view(spec.dtype)
         torch.cat(call.local[i], out=start.view(call.samples, *spec.shape))  # one copy
 
 
-def _gather_rows(call: _Call, pg: dist.ProcessGroup, run: list[int]) -> Finish:
+def _gather_rows(call: _Call, pg: dist.ProcessGroup, run: list[int]) -> Start:
     """Gather leaves of equal row bytes, rows landing straight in dataset order.
 
     Every rank sends its leaves as ``[leaves, rows, row bytes]``. Rank ``j``'s
@@ -320,61 +502,73 @@ def _gather_rows(call: _Call, pg: dist.ProcessGroup, run: list[int]) -> Finish:
     strided view ``[:, :, j]`` of a ``[leaves, rows, W, row bytes]`` buffer:
     gloo's copy out of its staging buffer interleaves the rows, and each leaf
     is a contiguous slice of the result. Padding rows land past ``total``.
+    Allocates now; packs and gathers when started.
     """
     world, rows, row = call.world, call.rows, call.specs[run[0]].nbytes
     cpu = torch.device("cpu")
     mine = buffer(len(run) * rows * row, cpu)
-    _pack(call, run, mine, [k * rows * row for k in range(len(run))])
     gathered = buffer(len(run) * rows * world * row, cpu)
-    grid = gathered.view(len(run), rows, world, row)
-    outs = [grid[:, :, j] for j in range(world)]
-    work = dist.all_gather(outs, mine.view(len(run), rows, row), group=pg, async_op=True)
 
-    def finish() -> list[tuple[int, torch.Tensor]]:
-        work.wait()
-        per_leaf = gathered.view(len(run), rows * world * row)
-        result = []
-        for k, i in enumerate(run):
-            spec = call.specs[i]
-            data = per_leaf[k, : call.total * row].view(spec.torch_dtype)
-            result.append((i, data.view(call.total, *spec.shape)))
-        return result
+    def start() -> Finish:
+        _pack(call, run, mine, [k * rows * row for k in range(len(run))])
+        grid = gathered.view(len(run), rows, world, row)
+        outs = [grid[:, :, j] for j in range(world)]
+        work = dist.all_gather(outs, mine.view(len(run), rows, row), group=pg, async_op=True)
 
-    return finish
+        def finish() -> list[tuple[int, torch.Tensor]]:
+            work.wait()
+            per_leaf = gathered.view(len(run), rows * world * row)
+            result = []
+            for k, i in enumerate(run):
+                spec = call.specs[i]
+                data = per_leaf[k, : call.total * row].view(spec.dtype)
+                result.append((i, data.view(call.total, *spec.shape)))
+            return result
+
+        return finish
+
+    return start
 
 
 def _gather_packed(
     call: _Call, pg: dist.ProcessGroup, device: torch.device, run: list[int]
-) -> Finish:
-    """Gather leaves of any row sizes as one rank-major buffer, then interleave (one copy each)."""
+) -> Start:
+    """Gather leaves of any row sizes as one rank-major buffer, then interleave (one copy each).
+
+    Allocates now; packs and gathers when started.
+    """
     world, rows = call.world, call.rows
     offsets, size = layout([rows * call.specs[i].nbytes for i in run])
     # Padding rows and alignment gaps are never read back: left uninitialized.
     mine = buffer(size, device)
-    _pack(call, run, mine, offsets)
     gathered = buffer(world * size, device)
-    work = all_gather_into(gathered, mine, pg, async_op=True)
 
-    def finish() -> list[tuple[int, torch.Tensor]]:
-        work.wait()
-        per_rank = gathered.view(world, size)
-        result = []
-        for i, offset in zip(run, offsets, strict=True):
-            spec = call.specs[i]
-            block = per_rank[:, offset : offset + rows * spec.nbytes].view(spec.torch_dtype)
-            typed = block.view(world, rows, *spec.shape)  # [W, rows, *trailing]
-            # Sample j of rank r is dataset index r + j * W: interleave, then drop the
-            # padding rows, which all sit at the end.
-            result.append(
-                (i, typed.transpose(0, 1).reshape(rows * world, *spec.shape)[: call.total])
-            )
-        return result
+    def start() -> Finish:
+        _pack(call, run, mine, offsets)
+        work = all_gather_into(gathered, mine, pg, async_op=True)
 
-    return finish
+        def finish() -> list[tuple[int, torch.Tensor]]:
+            work.wait()
+            per_rank = gathered.view(world, size)
+            result = []
+            for i, offset in zip(run, offsets, strict=True):
+                spec = call.specs[i]
+                block = per_rank[:, offset : offset + rows * spec.nbytes].view(spec.dtype)
+                typed = block.view(world, rows, *spec.shape)  # [W, rows, *trailing]
+                # Sample j of rank r is dataset index r + j * W: interleave, then drop the
+                # padding rows, which all sit at the end.
+                result.append(
+                    (i, typed.transpose(0, 1).reshape(rows * world, *spec.shape)[: call.total])
+                )
+            return result
+
+        return finish
+
+    return start
 
 
 def _gather_leaves(
-    g: Group, local: list[list[torch.Tensor]], specs: list[TensorSpec], counts: list[int]
+    g: Group, local: list[list[torch.Tensor]], specs: list[_Leaf], counts: list[int]
 ) -> list[torch.Tensor]:
     call = _Call(local, specs, g.world_size, max(counts), counts[g.rank_in_group], sum(counts))
     gathered: dict[int, torch.Tensor] = {}
@@ -382,20 +576,32 @@ def _gather_leaves(
     for i, spec in enumerate(specs):
         if call.total == 0 or spec.nbytes == 0:  # nothing to move, e.g. a [N, 0] leaf
             shape = (call.total, *spec.shape)
-            gathered[i] = torch.empty(shape, dtype=spec.torch_dtype, device=_device(g, spec))
+            gathered[i] = torch.empty(shape, dtype=spec.dtype, device=_device(g, spec))
         else:
             by_transport["cpu" if _device(g, spec).type == "cpu" else "device"].append(i)
-    finishes: list[Finish] = []
-    for kind, leaves in by_transport.items():
-        pg = process_group(g, kind)
-        for run in _plan(specs, leaves, call.rows * call.world):
-            # Strided outputs rely on gloo copying out of its own staging buffer; a device
-            # transport takes the packed gather and interleaves with one device copy.
-            if kind == "cpu" and len({specs[i].nbytes for i in run}) == 1:
-                finishes.append(_gather_rows(call, pg, run))
-            else:
-                device = transport_device(kind, g.device)
-                finishes.append(_gather_packed(call, pg, device, run))
+    if not by_transport:
+        return [gathered[i] for i in range(len(specs))]
+    # Every buffer is allocated before the first gather starts: a rank that cannot
+    # (out of memory) says so through one small all-reduce, instead of leaving the
+    # others waiting in a gather. Packing validated leaves into them cannot fail.
+    starts: list[Start] = []
+    try:
+        for kind, leaves in by_transport.items():
+            pg = process_group(g, kind)
+            for run in _plan(specs, leaves, call.rows * call.world):
+                # Strided outputs rely on gloo copying out of its own staging buffer; a device
+                # transport takes the packed gather and interleaves with one device copy.
+                if kind == "cpu" and len({specs[i].nbytes for i in run}) == 1:
+                    starts.append(_gather_rows(call, pg, run))
+                else:
+                    device = transport_device(kind, g.device)
+                    starts.append(_gather_packed(call, pg, device, run))
+        error = None
+    except Exception as exc:
+        starts, error = [], exc
+    _fail_together(g, error)
+    # Packing gather k+1 overlaps gather k's transfer.
+    finishes = [start() for start in starts]
     for finish in finishes:
         gathered.update(finish())
     return [gathered[i] for i in range(len(specs))]

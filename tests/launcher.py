@@ -37,13 +37,15 @@ def run_ranks(
     hosts: list[list[int]] | None = None,
     env: dict[str, str] | None = None,
     wait_for: list[int] | None = None,
+    shm_size: str | None = None,
 ) -> list[RankResult]:
     """Run ``code`` as a script on ``world_size`` ranks; kill whatever runs past ``timeout``.
 
     With ``wait_for``, the run ends (killing the others) once those ranks ended.
 
     ``hosts`` groups ranks into simulated hosts: each group runs in its own
-    mount namespace with a private tmpfs on /dev/shm (needs root and unshare).
+    mount namespace with a private tmpfs on /dev/shm (needs root and unshare),
+    of ``shm_size`` (``mount -o size=``, e.g. ``"4m"``) when given.
     """
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     tmp = tempfile.mkdtemp(prefix="pdist-launch-")
@@ -74,7 +76,8 @@ def run_ranks(
             lines.append(f"({run} > {logs[rank]} 2>&1; echo $? > {codes[rank]}) &")
         body = "\n".join(lines) + "\nwait\n"
         if hosts is not None:
-            body = "mount -t tmpfs tmpfs /dev/shm || exit 97\n" + body
+            size = f"-o size={shlex.quote(shm_size)} " if shm_size else ""
+            body = f"mount -t tmpfs {size}tmpfs /dev/shm || exit 97\n" + body
             cmd = ["unshare", "--mount", "sh", "-c", body]
         else:
             cmd = ["sh", "-c", body]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -102,7 +105,9 @@ def test_mismatches_raise_on_every_rank(ctx):
         pdist.collate_batches(ctx, counts)
 
     malformed = [{"a": torch.zeros(2), "b": torch.zeros(3)}] if odd else [{"a": torch.zeros(1)}]
-    with pytest.raises(pdist.PdistError, match=r"different sample counts \[2, 3\] \(on rank 1\)"):
+    with pytest.raises(
+        pdist.PdistError, match=r"failed on rank 1: ValueError: .* different sample counts \[2, 3\]"
+    ):
         pdist.collate_batches(ctx, malformed)
     # Still in step.
     assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
@@ -111,7 +116,7 @@ def test_mismatches_raise_on_every_rank(ctx):
 MALFORMED = {
     "keys": (
         [{"a": torch.zeros(1)}, {"b": torch.zeros(1)}],
-        r"batch 1 has another structure than batch 0 \(on rank 1\)",
+        r"failed on rank 1: ValueError: batch 1 has another structure than batch 0",
     ),
     "leaf type": (
         [{"a": torch.zeros(1)}, {"a": [1.0]}],
@@ -123,6 +128,20 @@ MALFORMED = {
         r"leaf \['a'\] is torch.int64 \(\) in batch 1 but torch.float32 \(\) in batch 0",
     ),
     "not a tensor": ([{"a": "text"}], r"\['a'\] is a str; batches hold tensors"),
+    "key": ([{object: torch.zeros(1)}], r"has the key <class 'object'> \(type\); keys travel"),
+    "sparse": (
+        [{"a": torch.zeros(1, 2).to_sparse()}],
+        r"leaf \['a'\] of batch 0 is a torch.sparse_coo tensor; .* pass .to_dense\(\)",
+    ),
+    "meta": (
+        [{"a": torch.zeros(1, device="meta")}],
+        r"leaf \['a'\] of batch 0 is on meta; collate_batches gathers CPU tensors and tensors "
+        r"on the group's device cpu: move it with .cpu\(\)",
+    ),
+    "devices": (
+        [{"a": torch.zeros(1)}, {"a": torch.zeros(1, device="meta")}],
+        r"leaf \['a'\] of batch 1 is on meta",
+    ),
 }
 
 
@@ -148,13 +167,14 @@ def test_collectives_independent_of_the_number_of_leaves(ctx):
         assert out["k0"].shape == (6, 2)
         counts.append(sum(calls.values()))
     assert counts[0] == counts[1]
-    assert counts[0] <= 3 + 2  # at most 3 + the number of dtypes
+    assert counts[0] <= 4 + 2  # metadata, the allocation verdict, at most 2 + the dtypes
 
 
-@world_sizes(2)
+@world_sizes(1, 2)
 def test_bad_batches_argument(ctx):
-    """batches must be a list."""
-    with pytest.raises(TypeError, match="batches must be a list"):
+    """batches must be a list: TypeError on one rank, the same RemoteError on every rank of more."""
+    expected = TypeError if ctx.world_size == 1 else pdist.PdistError
+    with pytest.raises(expected, match="batches must be a list of this rank's per-batch outputs"):
         pdist.collate_batches(ctx, torch.zeros(3))
 
 
@@ -184,7 +204,7 @@ def test_large_outputs_gather_rows_in_dataset_order(ctx):
     one_group = {f"leaf{k}": (64, torch.float32) for k in range(6)}
     with count_collectives() as calls:
         out = pdist.collate_batches(ctx, _indexed(ctx, size, one_group))
-    assert sum(calls.values()) == 3  # metadata + the group's two halves
+    assert sum(calls.values()) == 4  # metadata, allocation verdict, the group's two halves
     _check_indexed(out, size, one_group)
 
     # Two large row sizes (the first mixing dtypes) and small leaves of two more: two own
@@ -193,7 +213,7 @@ def test_large_outputs_gather_rows_in_dataset_order(ctx):
     mixed |= {"index": (1, torch.int64), "flag": (3, torch.bool)}
     with count_collectives() as calls:
         out = pdist.collate_batches(ctx, _indexed(ctx, size, mixed))
-    assert sum(calls.values()) == 4
+    assert sum(calls.values()) == 5
     _check_indexed(out, size, mixed)
 
 
@@ -208,3 +228,57 @@ def test_zero_width_leaves(ctx):
     out = pdist.collate_batches(ctx, batches)
     assert out["empty"].shape == (size, 0)
     assert torch.equal(out["index"], torch.arange(size))
+
+
+def _one_bad_rank(case: str):
+    """Run collate_batches with one rank's input broken as ``case`` says; how each rank ended."""
+    with pdist.distributed(timeout=30) as ctx:
+        size = 7 if case in ("None", "meta", "sparse") else 2  # 2 on 3 ranks: rank 2 has none
+        batches = [{"x": torch.tensor([[float(i)]])} for i in pdist.EvalSampler(range(size), ctx)]
+        if case == "None" and ctx.rank == 1:
+            batches = None
+        elif case == "meta" and ctx.rank == 1:
+            batches = [{"x": torch.zeros(1, 1, device="meta")} for _ in batches]
+        elif case == "sparse" and ctx.rank == 1:
+            batches = [{"x": b["x"].to_sparse()} for b in batches]
+        elif case == "zero samples, others on meta" and batches:
+            batches = [{"x": torch.zeros(1, 1, device="meta")} for _ in batches]
+        real_buffer = pdist._collate.buffer
+        if case == "zero samples, allocation fails" and ctx.rank == 0:
+
+            def buffer(nbytes, device):
+                raise RuntimeError("out of memory (simulated)")
+
+            pdist._collate.buffer = buffer
+        start = time.monotonic()
+        try:
+            pdist.collate_batches(ctx, batches)
+            outcome = ("returned", "", 0.0)
+        except Exception as exc:
+            outcome = (type(exc).__name__, str(exc), time.monotonic() - start)
+        finally:
+            pdist._collate.buffer = real_buffer
+        in_step = pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+        return (*outcome, in_step)
+
+
+ONE_BAD_RANK = {
+    "None": r"failed on rank 1: TypeError: batches must be a list .*got None; pass \[\] on a rank",
+    "meta": r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is on meta; .* \.cpu\(\)",
+    "sparse": r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is a torch.sparse_coo tensor",
+    "zero samples, others on meta": r"failed on rank 0: ValueError: leaf \['x'\] .* on meta",
+    "zero samples, allocation fails": r"failed on rank 0: RuntimeError: out of memory",
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_BAD_RANK))
+def test_one_bad_rank_fails_every_rank_within_seconds(case):
+    """One rank's bad input (or failed allocation) raises the same error on every rank, quickly."""
+    results = pdist.testing.spawn(_one_bad_rank, 3, case)
+    kinds = {kind for kind, _, _, _ in results}
+    messages = {text for _, text, _, _ in results}
+    assert kinds == {"RemoteError"}, results
+    assert len(messages) == 1, results
+    assert re.search(ONE_BAD_RANK[case], messages.pop()), results
+    assert all(seconds < 10 for _, _, seconds, _ in results), results
+    assert all(in_step for *_, in_step in results)

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import mmap
 import os
+import re
+import threading
+import time
 
 import pytest
 import torch
@@ -84,11 +93,14 @@ def test_no_shm_entry_outlives_the_group(ctx):
     assert _shm_entries() - before == set()
 
 
-@world_sizes(2)
+@world_sizes(1, 2)
 def test_bad_arguments(ctx):
-    """Sizes must be positive ints."""
-    with pytest.raises(ValueError, match="chunk_bytes=0 must be a positive int"):
+    """Sizes must be positive ints: ValueError on one rank, the same RemoteError on every rank."""
+    expected = ValueError if ctx.world_size == 1 else pdist.PdistError
+    with pytest.raises(expected, match="chunk_bytes=0 must be a positive int"):
         pdist.message_queue(ctx, chunk_bytes=0).__enter__()
+    with pytest.raises(expected, match=r"idle_timeout=-1 must be a finite positive duration"):
+        pdist.message_queue(ctx, idle_timeout=-1).__enter__()
 
 
 TWO_HOSTS = """
@@ -135,7 +147,8 @@ def test_readers_raise_when_the_writer_dies():
     assert results[0].returncode == 5
     for r in results[1:]:
         assert r.returncode == 0, r.output
-        assert "a reader waited for the writer" in r.output
+        assert "rank 0 (pid " in r.output
+        assert "exited while rank" in r.output
         assert raised_after(r.output) < 3 + 3
 
 
@@ -159,3 +172,381 @@ def test_graph_capture_on_cuda():
 def _graph_capture_cuda() -> bool:
     with pdist.distributed() as ctx, pdist.graph_capture(ctx) as capture:
         return torch.cuda.current_stream() == capture.stream
+
+
+# --------------------------------------------------------------------------- set-up fails together
+
+HOSTILE = {
+    "hostile writer, absolute path": "/etc/passwd",
+    "hostile writer, traversal": "pdist-mq-../../etc/passwd",
+    "hostile writer, another prefix": "pdist-probe-" + "0" * 32,
+}
+
+
+def _mq_one_bad_rank(case: str):
+    """Enter message_queue with one rank's part broken as ``case`` says; how each rank ended."""
+    with pdist.distributed(timeout=30) as ctx:
+        kwargs = {}
+        undo = []
+        if case == "chunk_bytes differs" and ctx.rank == 1:
+            kwargs = {"chunk_bytes": 1024}
+        elif case == "chunks differs" and ctx.rank == 2:
+            kwargs = {"chunks": 3}
+        elif case == "chunk_bytes=0" and ctx.rank == 1:
+            kwargs = {"chunk_bytes": 0}
+        elif case == "writer cannot reserve" and ctx.rank == 0:
+            reserve = os.posix_fallocate
+
+            def full(fd, offset, length):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            os.posix_fallocate = full
+            undo.append(lambda: setattr(os, "posix_fallocate", reserve))
+        elif case == "reader cannot open" and ctx.rank == 2:
+            real_open = os.open
+
+            def refuse(path, flags, *args, **kwargs):
+                if "pdist-mq-" in str(path) and not flags & os.O_CREAT:
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+                return real_open(path, flags, *args, **kwargs)
+
+            os.open = refuse
+            undo.append(lambda: setattr(os, "open", real_open))
+        elif case in HOSTILE and ctx.rank == 0:
+            name = pdist._mq._segment_name
+            pdist._mq._segment_name = lambda: HOSTILE[case]
+            undo.append(lambda: setattr(pdist._mq, "_segment_name", name))
+        start = time.monotonic()
+        try:
+            with pdist.message_queue(ctx, **kwargs) as group:
+                pdist.broadcast_object(group, 1 if ctx.rank == 0 else None)
+            outcome = ("entered", "", 0.0)
+        except Exception as exc:
+            outcome = (type(exc).__name__, str(exc), time.monotonic() - start)
+        finally:
+            for step in undo:
+                step()
+        in_step = pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+        return (*outcome, in_step)
+
+
+RING = r"/dev/shm/pdist-mq-[0-9a-f]{32}"
+SET_UP = {
+    "chunk_bytes differs": (
+        "RankMismatchError",
+        r"chunk_bytes differs across ranks: 4194304 on ranks \[0, 2\]; 1024 on rank 1; "
+        "pass the same chunk_bytes and chunks on every rank",
+    ),
+    "chunks differs": ("RankMismatchError", r"chunks differs across ranks: 6 on ranks \[0, 1\]"),
+    "chunk_bytes=0": (
+        "RemoteError",
+        r"failed on rank 1: ValueError: chunk_bytes=0 must be a positive int; pass the same",
+    ),
+    "writer cannot reserve": (
+        "RemoteError",
+        r"failed on rank 0: PdistError: rank 0 could not reserve \d+ bytes for the ring in "
+        r"/dev/shm: \[Errno 28\] No space left on device; give it more room",
+    ),
+    "reader cannot open": (
+        "RemoteError",
+        rf"failed on rank 2: PdistError: rank 2 could not open the ring {RING}: \[Errno 13\]",
+    ),
+    **{
+        case: (
+            "PdistError",
+            rf"the writer \(rank 0\) named the segment {re.escape(repr(name))}; readers open "
+            r"only /dev/shm/pdist-mq-<32 hex digits>, never another path",
+        )
+        for case, name in HOSTILE.items()
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(SET_UP))
+def test_set_up_fails_together(case):
+    """One rank's bad part of the set-up raises the same error on every rank within seconds."""
+    kind, pattern = SET_UP[case]
+    results = pdist.testing.spawn(_mq_one_bad_rank, 3, case)
+    assert {r[0] for r in results} == {kind}, results
+    assert len({r[1] for r in results}) == 1, results
+    assert re.search(pattern, results[0][1]), results
+    assert all(seconds < 10 for _, _, seconds, _ in results), results
+    assert all(in_step for *_, in_step in results)
+
+
+SMALL_SHM = """
+    import os, time, pdist
+    with pdist.distributed(timeout=30) as ctx:
+        start = time.monotonic()
+        try:
+            with pdist.message_queue(ctx):  # a 24 MiB ring in a 4 MiB /dev/shm
+                print("ENTERED", flush=True)
+        except pdist.PdistError as exc:
+            print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}", flush=True)
+        pdist.barrier(ctx)
+        print("SHM", sorted(n for n in os.listdir("/dev/shm") if n.startswith("pdist-")))
+"""
+
+
+def test_a_full_dev_shm_fails_at_set_up_on_every_rank():
+    """The ring is reserved at set-up: a small /dev/shm raises on every rank, not SIGBUS later."""
+    results = run_ranks(SMALL_SHM, 2, timeout=120, hosts=[[0, 1]], shm_size="4m")
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert "ENTERED" not in r.output, r.output
+        assert re.search(
+            r"failed on rank 0: PdistError: rank 0 could not reserve 25166336 bytes for the ring "
+            r"in /dev/shm: \[Errno 28\] No space left on device; give it more room "
+            r"\(docker run --shm-size=...\) or pass a smaller chunk_bytes x chunks "
+            r"\(now 4194304 x 6\)",
+            r.output,
+        ), r.output
+        assert raised_after(r.output) < 10
+        assert "SHM []" in r.output, r.output
+
+
+# --------------------------------------------------------------------------- lifetime and poisoning
+
+
+@world_sizes(2)
+def test_a_queue_used_after_its_block_says_so(ctx):
+    """After the queue's block exits, a broadcast on its group raises PdistError, not mmap's."""
+    with pdist.message_queue(ctx) as group:
+        pdist.broadcast_object(group, 1 if ctx.rank == 0 else None)
+    with pytest.raises(pdist.PdistError, match=r"block of group 'world' has exited"):
+        pdist.broadcast_object(group, 1 if ctx.rank == 0 else None)
+
+
+def _queue_outlives_its_context():
+    stack = contextlib.ExitStack()
+    with pdist.distributed(timeout=30) as ctx:
+        group = stack.enter_context(pdist.message_queue(ctx))
+        pdist.broadcast_object(group, 1 if ctx.rank == 0 else None)
+        rank = ctx.rank
+    try:
+        pdist.broadcast_object(group, 2 if rank == 0 else None)
+        return "broadcast after the context closed"
+    except pdist.PdistError as exc:
+        return str(exc)
+    finally:
+        stack.close()
+
+
+def test_a_queue_refuses_after_its_context_exited():
+    """A queue kept open past its distributed() block refuses to broadcast, on every rank."""
+    for message in pdist.testing.spawn(_queue_outlives_its_context, 2):
+        assert message.startswith("this pdist context is closed"), message
+
+
+@world_sizes(2)
+def test_an_error_the_writer_sends_leaves_the_queue_usable(ctx):
+    """An error marker reaches every rank in step: the next broadcast works."""
+    with pdist.message_queue(ctx) as group:
+        with pytest.raises(pdist.PdistError, match="failed on rank 0"):
+            pdist.broadcast_object(group, (lambda: 1) if ctx.rank == 0 else None)
+        assert pdist.broadcast_object(group, "next" if ctx.rank == 0 else None) == "next"
+
+
+def _poisoned_reader(how: str):
+    """A reader times out while idle; both of its calls raise, the second as poisoned."""
+    os.environ.pop(pdist._mq.IDLE_TIMEOUT_ENV, None)
+    kwargs = {"idle_timeout": 1}
+    if how == "environment":
+        os.environ[pdist._mq.IDLE_TIMEOUT_ENV] = "1"
+        kwargs = {}
+    try:
+        with pdist.distributed(timeout=30) as ctx, pdist.message_queue(ctx, **kwargs) as group:
+            errors = []
+            if ctx.rank == 1:
+                for _ in range(2):
+                    start = time.monotonic()
+                    try:
+                        pdist.broadcast_object(group, None)
+                    except pdist.PdistError as exc:
+                        errors.append((str(exc), time.monotonic() - start))
+            pdist.barrier(ctx)  # the writer sends nothing until the reader gave up
+            return errors
+    finally:
+        os.environ.pop(pdist._mq.IDLE_TIMEOUT_ENV, None)
+
+
+@pytest.mark.parametrize("how", ["keyword", "environment"])
+def test_an_idle_reader_times_out_then_the_queue_is_poisoned(how):
+    """idle_timeout (or PDIST_MQ_IDLE_TIMEOUT_SEC) bounds a reader's wait; then every use raises."""
+    (first, took), (second, _) = pdist.testing.spawn(_poisoned_reader, 2, how)[1]
+    assert re.search(
+        r"rank 1 waited 1\.\ds for message 1 from the writer \(rank 0\) "
+        r"\(PDIST_MQ_IDLE_TIMEOUT_SEC / idle_timeout: 1s\)",
+        first,
+    ), first
+    assert 1 <= took < 10
+    assert second.startswith("this message_queue on group 'world' is unusable after an earlier")
+    assert "rank 1 waited" in second
+
+
+def _poisoned_writer():
+    """The writer runs out of slots (the reader never reads) past the group's timeout."""
+    with pdist.distributed(timeout=2) as ctx, pdist.message_queue(ctx, chunks=2) as group:
+        if ctx.rank == 1:
+            return []  # alive, but never reads
+        errors = []
+        for i in range(4):
+            start = time.monotonic()
+            try:
+                pdist.broadcast_object(group, i)
+            except pdist.PdistError as exc:
+                errors.append((i, str(exc), time.monotonic() - start))
+        return errors
+
+
+def test_a_writer_out_of_slots_times_out_then_the_queue_is_poisoned():
+    """The writer waits at most the group's timeout for a slot; then every use raises."""
+    (i, first, took), (j, second, _) = pdist.testing.spawn(_poisoned_writer, 2)[0]
+    assert (i, j) == (2, 3)
+    assert re.search(
+        r"rank 0 waited 2\.\ds for ranks \[1\] to consume message 1 and free a slot "
+        r"\(the group's timeout: 2s\)",
+        first,
+    ), first
+    assert took < 10
+    assert "is unusable after an earlier failure" in second
+
+
+def _out_of_step():
+    with pdist.distributed(timeout=30) as ctx, pdist.message_queue(ctx) as group:
+        if ctx.rank == 0:
+            ring = group.header_transport._ring
+            ring.atomics.store(ring._address + ring.slot(1), 7)  # message 7 in message 1's slot
+        pdist.barrier(ctx)
+        errors = []
+        if ctx.rank == 1:
+            for _ in range(2):
+                try:
+                    pdist.broadcast_object(group, None)
+                except pdist.PdistError as exc:
+                    errors.append(str(exc))
+        return errors
+
+
+def test_an_unexpected_sequence_number_raises():
+    """A reader that finds another message's number in its slot raises; the queue is poisoned."""
+    first, second = pdist.testing.spawn(_out_of_step, 2)[1]
+    assert "rank 1 expected message 1 but its slot holds message 7" in first
+    assert "is unusable after an earlier failure" in second
+
+
+def _idle_reader():
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("pdist")
+    handler, level, interval = Keep(), logger.level, pdist._mq._LOG_SECONDS
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    pdist._mq._LOG_SECONDS = 0.5
+    try:
+        with pdist.distributed(timeout=2) as ctx, pdist.message_queue(ctx) as group:
+            if ctx.rank == 0:
+                time.sleep(4)  # twice the group's timeout
+            start = time.monotonic()
+            got = pdist.broadcast_object(group, "late" if ctx.rank == 0 else None)
+            return got, time.monotonic() - start, [m for m in records if "has waited" in m]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        pdist._mq._LOG_SECONDS = interval
+
+
+def test_an_idle_reader_outlasts_the_group_timeout_and_logs():
+    """A reader idle past the group's timeout still gets the message, logging while it waits."""
+    got, waited, logs = pdist.testing.spawn(_idle_reader, 2)[1]
+    assert got == "late"
+    assert waited > 2
+    assert logs, "the idle reader logged nothing"
+    assert "for message 1 from the writer (rank 0)" in logs[0]
+
+
+# --------------------------------------------------------------------------- memory ordering
+
+
+class _Spy:
+    """Atomics that record every call, around the real ones."""
+
+    name = "spy"
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    def load(self, address):
+        self.calls.append(("load", address))
+        return self.inner.load(address)
+
+    def store(self, address, value):
+        self.calls.append(("store", address, value))
+        self.inner.store(address, value)
+
+
+def test_libatomic_release_stores_and_acquire_loads_round_trip():
+    """On this machine the ring's words go through libatomic, and values round-trip."""
+    if ctypes.util.find_library("atomic") is None:
+        pytest.skip("no libatomic here")
+    atomics = pdist._mq._atomics()
+    assert atomics.name == "libatomic"
+    words = (ctypes.c_uint64 * 3)()
+    address = ctypes.addressof(words) + 8
+    for value in (0, 1, 2**32, 2**63, 2**64 - 1):
+        atomics.store(address, value)
+        assert words[1] == value
+        assert atomics.load(address) == value
+    assert words[0] == words[2] == 0  # exactly one aligned word
+
+
+def test_the_ring_publishes_after_the_data_and_consumes_through_the_atomics():
+    """The sequence number is the writer's last store; readers load it, then publish progress."""
+    spy = _Spy(pdist._mq._atomics())
+    region = mmap.mmap(-1, pdist._mq._Ring.size(1, 64, 2))
+    writer = pdist._mq._Ring(region, 1, 64, 2, spy)
+    reader = pdist._mq._Ring(region, 1, 64, 2, spy)
+    writer.write(1, pdist._mq._INLINE, b"hello")
+    assert spy.calls == [("store", writer._address + writer.slot(1), 1)]
+    assert reader.published(1) == 1
+    assert reader.read(1) == (pdist._mq._INLINE, 5, b"hello")
+    reader.set_consumed(0, 1)
+    assert writer.consumed(0) == 1
+    assert [c[0] for c in spy.calls] == ["store", "load", "store", "load"]
+    reader.close()
+    writer.close()
+
+
+def test_without_libatomic_only_x86_goes_on():
+    """x86's ordering (TSO) needs no fences; a weakly ordered CPU without libatomic refuses."""
+    plain = pdist._mq._choose_atomics("x86_64", None)
+    words = (ctypes.c_uint64 * 1)()
+    plain.store(ctypes.addressof(words), 2**64 - 1)
+    assert plain.load(ctypes.addressof(words)) == 2**64 - 1
+    with pytest.raises(pdist.PdistError, match=r"libatomic on aarch64 .*apt install libatomic1"):
+        pdist._mq._choose_atomics("aarch64", None)
+
+
+@world_sizes(3)
+def test_two_threads_on_two_groups(ctx):
+    """Two threads, each with its own queue on its own group, do not mix their messages."""
+    groups = [ctx.world, pdist.new_group(ctx, [[0, 1], [2]], name="pair")]
+    groups = [g for g in groups if g.world_size > 1]  # rank 2 is alone in its pair
+    results: list = [None] * len(groups)
+
+    def run(i):
+        with pdist.message_queue(groups[i], chunks=2) as group:
+            me = group.is_first_rank
+            results[i] = [pdist.broadcast_object(group, (i, k) if me else None) for k in range(9)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(groups))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert results == [[(i, k) for k in range(9)] for i in range(len(groups))]

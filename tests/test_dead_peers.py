@@ -1,0 +1,212 @@
+"""A rank killed in the middle of a call: the survivors raise in time and leave /dev/shm clean.
+
+Every script runs its ranks in one simulated host, with a private tmpfs on
+/dev/shm (``run_ranks(hosts=...)``), so that what a survivor lists there at
+the end is what this run left behind. The victim kills itself with SIGKILL
+at a chosen collective (nothing of it runs afterwards); survivors measure,
+from entering the call, how long they took to raise.
+"""
+
+from __future__ import annotations
+
+import pytest
+from launcher import raised_after, run_ranks
+
+TIMEOUT = 5  # the group timeout of every script
+
+PRELUDE = """
+    import os, signal, sys, time
+    import torch
+    import torch.distributed as dist
+    import pdist
+
+    def die_at(name, call):
+        # SIGKILL this process at its call-th call of torch.distributed.<name>.
+        real = getattr(dist, name)
+        count = [0]
+
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            if count[0] == call:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+
+    def report(start, exc):
+        took = time.monotonic() - start
+        print(f"RAISED after {took:.1f}s: {type(exc).__name__}: {exc}", flush=True)
+
+    def shm():
+        names = sorted(n for n in os.listdir("/dev/shm") if n.startswith("pdist-"))
+        print("SHM", names, flush=True)
+"""
+
+MID_BROADCAST = """
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        if ctx.rank == 0:
+            die_at("broadcast", 2)  # the header went out; the source dies before the bucket
+        items = [torch.arange(1 << 20, dtype=torch.float32), {"step": 1}]
+        start = time.monotonic()
+        try:
+            pdist.broadcast_object_list(ctx, items if ctx.rank == 0 else [None, None])
+            print("RETURNED", flush=True)
+        except Exception as exc:
+            report(start, exc)
+    shm()
+"""
+
+MID_COLLATE = """
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        if ctx.rank == 1:
+            die_at("all_gather", 2)  # after the metadata exchange, at the data gather
+        mine = torch.tensor(list(pdist.EvalSampler(range(3000), ctx)), dtype=torch.float32)
+        start = time.monotonic()
+        try:
+            pdist.collate_batches(ctx, [mine.unsqueeze(1)])
+            print("RETURNED", flush=True)
+        except Exception as exc:
+            report(start, exc)
+    shm()
+"""
+
+MID_SYNC = """
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        torch.manual_seed(ctx.rank)
+        model = torch.nn.Linear(256, 256)
+        if ctx.rank == 0:
+            die_at("broadcast", 1)  # the fingerprints were exchanged; dies at the first bucket
+        start = time.monotonic()
+        try:
+            pdist.sync_model_states(ctx, model)
+            print("RETURNED", flush=True)
+        except Exception as exc:
+            report(start, exc)
+        del model
+    shm()
+"""
+
+MID_QUEUE_WRITER = """
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        with pdist.message_queue(ctx) as group:
+            for i in range(3):
+                pdist.broadcast_object(group, i if ctx.rank == 0 else None)
+            if ctx.rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            start = time.monotonic()
+            try:
+                pdist.broadcast_object(group, None)
+                print("RETURNED", flush=True)
+            except Exception as exc:
+                report(start, exc)
+    shm()
+"""
+
+MID_QUEUE_READER = """
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        with pdist.message_queue(ctx, chunks=2) as group:
+            if ctx.rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # never reads: the writer runs out of slots
+            start = time.monotonic()
+            try:
+                for i in range(10):
+                    pdist.broadcast_object(group, i if ctx.rank == 0 else None)
+                print("RETURNED", flush=True)
+            except Exception as exc:
+                report(start, exc)
+    shm()
+"""
+
+MID_QUEUE_SET_UP = """
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        if ctx.rank == 0:
+            reserve = os.posix_fallocate
+
+            def reserve_then_die(fd, offset, length):
+                reserve(fd, offset, length)  # the 24 MiB segment exists now
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            os.posix_fallocate = reserve_then_die
+        start = time.monotonic()
+        try:
+            with pdist.message_queue(ctx):
+                print("ENTERED", flush=True)
+        except Exception as exc:
+            report(start, exc)
+    shm()
+"""
+
+CASES = {
+    # name: (script, world size, the victim, what a survivor's error says)
+    "mid-broadcast": (MID_BROADCAST, 3, 0, ""),
+    "mid-collate": (MID_COLLATE, 3, 1, ""),
+    "mid-sync": (MID_SYNC, 3, 0, ""),
+    "mid-queue, the writer dies": (MID_QUEUE_WRITER, 3, 0, "rank 0 (pid "),
+    "mid-queue, a reader dies": (MID_QUEUE_READER, 3, 1, " exited while rank "),
+    "mid-queue set-up, the segment exists": (MID_QUEUE_SET_UP, 3, 0, ""),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_survivors_raise_in_time_and_leave_no_shm_file(case):
+    """SIGKILL a rank mid-call: every survivor raises within timeout + 10 s; /dev/shm is clean."""
+    script, world, victim, says = CASES[case]
+    code = PRELUDE + script.replace("TIMEOUT", str(TIMEOUT))
+    results = run_ranks(code, world, timeout=120, hosts=[list(range(world))])
+    assert results[victim].returncode == 128 + 9, results[victim].output  # SIGKILL
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert r.returncode is not None, f"rank {r.rank} hung:\n{r.output}"
+        assert "RETURNED" not in r.output, r.output
+        assert "ENTERED" not in r.output, r.output
+        assert raised_after(r.output) < TIMEOUT + 10, r.output
+        assert says in r.output, r.output
+        assert "SHM []" in r.output, r.output
+
+
+SIGTERM_IN_SET_UP = """
+    # Ranks 0 and 1 set up a queue; rank 2 only watches. Reader 1 opens the segment slowly,
+    # and meanwhile both get SIGTERM (as torchrun sends every rank when one fails).
+    with pdist.distributed(timeout=30) as ctx:
+        pids = pdist.all_gather_object(ctx, os.getpid())
+        pair = pdist.new_group(ctx, [[0, 1], [2]], name="pair")
+        if ctx.rank == 1:
+            real_open = os.open
+
+            def slow_open(path, flags, *args, **kwargs):
+                if "pdist-mq-" in str(path) and not flags & os.O_CREAT:
+                    print("OPENING", path, flush=True)  # the writer created it, announced it
+                    os.kill(pids[0], signal.SIGTERM)  # and waits in set-up
+                    time.sleep(1)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return real_open(path, flags, *args, **kwargs)
+
+            os.open = slow_open
+        if ctx.rank < 2:
+            with pdist.message_queue(pair):
+                print("ENTERED", flush=True)
+        else:
+            deadline = time.monotonic() + 60
+            for pid in pids[:2]:
+                while time.monotonic() < deadline:
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.05)
+            shm()
+            sys.stdout.flush()
+            os._exit(0)  # the pair's process groups lost their peers: skip teardown
+"""
+
+
+def test_sigterm_while_the_segment_exists_leaves_no_shm_file():
+    """Every rank of a queue SIGTERMed during set-up, the segment in place: it is removed."""
+    results = run_ranks(PRELUDE + SIGTERM_IN_SET_UP, 3, timeout=120, hosts=[[0, 1, 2]])
+    writer, reader, watcher = results
+    assert "OPENING /dev/shm/pdist-mq-" in reader.output, reader.output
+    assert writer.returncode == 128 + 15, writer.output  # ended by the SIGTERM it received
+    assert reader.returncode == 128 + 15, reader.output
+    assert watcher.returncode == 0, watcher.output
+    assert "SHM []" in watcher.output, watcher.output
