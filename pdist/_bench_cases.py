@@ -17,7 +17,7 @@ from ._collectives import all_gather, all_reduce, all_reduce_, broadcast, reduce
 from ._context import distributed
 from ._group import DistContext
 from ._mq import message_queue
-from ._objects import all_gather_object, broadcast_object
+from ._objects import all_gather_object, broadcast_object, recv_object, send_object
 from ._wire import all_gather_into
 
 __all__ = ["all_cases", "bench_rank"]
@@ -291,6 +291,65 @@ def _object_gather(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     }
 
 
+_OBJECT_WEIGHT = 8 << 20  # float32 elements: a 32 MiB tensor
+
+
+def _object_gather_big(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+    """all_gather_object of {"w": 32 MiB, "step": 3} vs raw all-gathers into fresh outputs.
+
+    ``raw_all_gather`` is torch's list form (the issue's baseline); ``raw_all_gather_into``
+    gathers into one fresh flat output, as pdist does.
+    """
+    w = torch.ones(_OBJECT_WEIGHT, device=ctx.device)
+    obj = {"w": w, "step": 3}
+    pg = ctx.world.device_group
+
+    def raw() -> None:
+        outs = [torch.empty_like(w) for _ in range(ctx.world_size)]
+        dist.all_gather(outs, w, group=pg)
+
+    def raw_into() -> None:
+        all_gather_into(w.new_empty(ctx.world_size * w.numel()), w, pg)
+
+    return {
+        "pdist": lambda: all_gather_object(ctx, obj),
+        "raw_all_gather": raw,
+        "raw_all_gather_into": raw_into,
+    }
+
+
+def _object_send_big(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
+    """send_object/recv_object of {"w": 32 MiB, "step": 3}, rank 0 to 1, vs raw send/recv.
+
+    ``raw_send_recv`` receives into fresh memory, as recv_object must;
+    ``raw_send_recv_warm`` into a buffer allocated once.
+    """
+    w = torch.ones(_OBJECT_WEIGHT, device=ctx.device)
+    obj = {"w": w, "step": 3}
+    pg = ctx.world.device_group
+    warm = torch.empty_like(w)
+
+    def ours() -> None:
+        if ctx.rank == 0:
+            send_object(ctx, obj, dst=1)
+        elif ctx.rank == 1:
+            recv_object(ctx, src=0)
+
+    def raw() -> None:
+        if ctx.rank == 0:
+            dist.send(w, 1, group=pg)
+        elif ctx.rank == 1:
+            dist.recv(torch.empty_like(w), 0, group=pg)  # into fresh memory, as recv_object
+
+    def raw_warm() -> None:
+        if ctx.rank == 0:
+            dist.send(w, 1, group=pg)
+        elif ctx.rank == 1:
+            dist.recv(warm, 0, group=pg)
+
+    return {"pdist": ours, "raw_send_recv": raw, "raw_send_recv_warm": raw_warm}
+
+
 def _collate(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
     """32 leaves of [~5000, 8] per rank, uneven by one, vs one raw all_gather of the bytes."""
     world = ctx.world_size
@@ -339,6 +398,8 @@ def all_cases() -> list[Case]:
         Case("structured broadcast (b) 1000 x 64 KiB", 1000 * (64 << 10), _structured_b, 1),
         Case("structured broadcast (c) tiny dict", 32, _structured_c, 50),
         Case("all_gather_object small dict", 256, _object_gather, 50),
+        Case("all_gather_object 32 MiB + meta", 32 << 20, _object_gather_big, 1),
+        Case("send_object/recv_object 32 MiB + meta", 32 << 20, _object_send_big, 1),
         Case("collate_batches 32 x [5000, 8]", 32 * 5000 * 8 * 4, _collate, 1),
         Case("message_queue broadcast_object small dict", 32, _message_queue, 1000),
     ]

@@ -3,28 +3,31 @@
 A drop-in for ``torch.distributed.broadcast_object_list`` that pickles only
 the skeleton. The header (skeleton, tensor specs, bucket layout and small
 tensors inline) travels in one framed message, which is a single collective
-when it fits the fixed first chunk; then each bucket is one collective.
+when it fits the fixed first chunk. When buckets follow, one 8-byte status
+all-reduce lets a failure on any rank reach every rank before they move;
+then each bucket is one collective.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from . import _payload, _wire
+from ._errors import PdistError
 from ._group import DistContext, Group, as_group
-from ._serialize import Safe, loads
+from ._serialize import Safe, check_safe, loads
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MIN_TENSOR_BYTES",
     "broadcast_object_list",
     "broadcast_tree",
-    "check_tree",
+    "global_rank_of",
+    "raise_local",
 ]
 
 DEFAULT_MIN_TENSOR_BYTES = 1024
@@ -45,51 +48,17 @@ Measured on case (b) of ``python -m pdist bench``: 4 to 32 MiB buckets take
 the same time; 1 and 2 MiB buckets cost 20-25% more (more collectives).
 """
 
-_CONTAINERS = (dict, OrderedDict, list, tuple)
 
+def global_rank_of(group: Group, index: int, name: str) -> int:
+    """``group.global_rank(index)``, its error naming the calling rank too.
 
-def _is_namedtuple(obj: object) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
-def check_tree(obj: Any) -> None:
-    """Refuse cycles, shared mutable containers and unsupported container subclasses.
-
-    Raises:
-        ValueError: Naming the path (``[0]['a']``) where the problem is.
+    A ``src``/``dst`` that only one rank gets wrong cannot be known to the
+    others: it is the caller's precondition, and raises on that rank alone.
     """
-    seen: dict[int, str] = {}
-    on_path: set[int] = set()
-
-    def visit(node: Any, path: str) -> None:
-        if not isinstance(node, (dict, list, tuple)):
-            return
-        kind = type(node)
-        if kind not in _CONTAINERS and not _is_namedtuple(node):
-            msg = (
-                f"unsupported container type {kind.__qualname__} at {path or 'the root'}; "
-                "use dict, list, tuple or a namedtuple"
-            )
-            raise ValueError(msg)
-        key = id(node)
-        if key in on_path:
-            msg = f"cycle: the container at {path} contains itself"
-            raise ValueError(msg)
-        if not isinstance(node, tuple):
-            if key in seen:
-                msg = (
-                    f"shared container: {path} is the same object as {seen[key] or 'the root'}; "
-                    "send a copy or restructure the payload"
-                )
-                raise ValueError(msg)
-            seen[key] = path
-        on_path.add(key)
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for k, v in items:
-            visit(v, f"{path}[{k!r}]")
-        on_path.discard(key)
-
-    visit(obj, "")
+    try:
+        return group.global_rank(index, name=name)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} (on rank {group.rank})") from None
 
 
 def _transfer(group: Group, bucket: _payload.Bucket, data: torch.Tensor, src_global: int) -> Any:
@@ -97,32 +66,66 @@ def _transfer(group: Group, bucket: _payload.Bucket, data: torch.Tensor, src_glo
     return dist.broadcast(data, src=src_global, group=pg, async_op=True)
 
 
+def raise_local(error: BaseException, group: Group, what: str) -> NoReturn:
+    """Raise a receiver's own failure when no collective follows that could carry it."""
+    if isinstance(error, PdistError):
+        raise error
+    _wire.reraise_own(error, group, what, group.rank)
+    raise error  # unreachable: reraise_own raised
+
+
 def broadcast_tree(
     group: Group,
     obj: Any,
     src: int,
     *,
-    safe: Safe = False,
+    safe: object = False,
     min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     check: Callable[[Any], object] | None = None,
+    error: BaseException | None = None,
     what: str = "broadcast",
 ) -> Any:
     """Broadcast ``obj`` from group index ``src``; the engine behind the object broadcasts.
 
-    ``check`` validates ``obj`` on the source; whatever it raises reaches
-    every rank. The header goes through the group's shared-memory queue when
-    it has one (:func:`~pdist.message_queue`), else over the CPU group. The
-    source returns ``obj`` itself; receivers return the rebuilt object.
+    The header goes through the group's shared-memory queue when it has one
+    (:func:`~pdist.message_queue`), else over the CPU group. When buckets
+    follow, every rank then reports its local status in one small all-reduce
+    (the source: staging and packing the first bucket; receivers: decoding
+    and allocating) before they move, so a failure anywhere raises on every
+    rank instead of leaving the others waiting. The source packs bucket k+1
+    while bucket k is on the wire; when a bucket after the first needs
+    packing (a copy, not a lone tensor sent in place), a second status
+    all-reduce after the last bucket reports whether all of them were packed
+    (a failure there still sends every bucket, so nobody waits, then raises
+    everywhere). The source returns ``obj`` itself; receivers return the
+    rebuilt object.
+
+    Failures: ``check`` validates ``obj`` on the source; whatever it raises,
+    or the source's ``error`` (a bad argument found by the caller), reaches
+    every rank as an error marker. A receiver's ``error`` (or ``safe=``
+    argument that is not valid) travels through the status all-reduce when
+    buckets follow; without buckets only that receiver raises (the others
+    are done and nobody waits).
     """
-    src_global = group.global_rank(src)
+    src_global = global_rank_of(group, src, "src")
+    if error is None:
+        try:
+            safe = check_safe(safe, group.rank)
+        except TypeError as exc:
+            error = exc
     if group.world_size == 1:
+        if error is not None:
+            raise error
         if check is not None:
             check(obj)
         return obj
-    send_header = _wire.broadcast_bytes if group._mq is None else group._mq.broadcast_bytes
+    transport = group.header_transport
+    send_header = _wire.broadcast_bytes if transport is None else transport.broadcast_bytes
     if group.rank_in_group == src:
         try:
+            if error is not None:
+                raise error
             if check is not None:
                 check(obj)
             encoded = _payload.encode(
@@ -132,27 +135,95 @@ def broadcast_tree(
             send_header(group, None, src, error=exc, what=what)
             raise  # unreachable: send_header raised for the source too
         send_header(group, encoded.body, src, what=what)
-        # Bucket k+1 is packed while bucket k is on the wire.
-        works = [
-            _transfer(group, bucket, encoded.pack(i), src_global)
-            for i, bucket in enumerate(encoded.buckets)
-        ]
+        if not encoded.buckets:
+            return obj
+        # Staging and the first bucket are ready before the status (so that their failure
+        # travels there); bucket k+1 is packed while bucket k is on the wire.
+        failure: BaseException | None = None
+        flat = None
+        try:
+            encoded.allocate()
+            flat = encoded.pack(0)
+        except Exception as exc:
+            failure = exc
+        _wire.settle(group, failure, what=what)
+        assert flat is not None
+        works = []
+        for i, bucket in enumerate(encoded.buckets):
+            works.append(_transfer(group, bucket, flat, src_global))
+            if i + 1 < len(encoded.buckets):
+                try:
+                    flat = encoded.unpacked(i + 1) if failure else encoded.pack(i + 1)
+                except Exception as exc:  # the receivers still get every bucket, then the error
+                    failure = exc
+                    flat = encoded.unpacked(i + 1)
         for work in works:
             work.wait()
+        if encoded.late_status:
+            _wire.settle(group, failure, what=what)
+        elif failure is not None:  # a lone bucket sends the tensor itself: nothing to pack
+            raise_local(failure, group, what)
         return obj
     body = send_header(group, None, src, what=what)
-    decoded = _payload.decode(body, safe=safe)
-    buffers = _payload.empty_buckets(decoded, group.device)
+    source = f"rank {src_global} (the source of {what})"
+    count = _payload.bucket_count(body, source=source)
+    failure = error
+    decoded: _payload.Decoded | None = None
+    buffers: list[torch.Tensor] = []
+    if failure is None:
+        try:
+            decoded = _payload.decode(body, source=source)
+            buffers = _payload.empty_buckets(decoded, group.device)
+        except Exception as exc:
+            failure = exc
+    if count:
+        _wire.settle(group, failure, what=what)
+    elif failure is not None:
+        raise_local(failure, group, what)
+    assert decoded is not None  # set whenever no failure was raised
     works = [
         _transfer(group, bucket, data, src_global)
         for bucket, data in zip(decoded.buckets, buffers, strict=True)
     ]
-    # Views of the buckets can be made while they fill; unpickling waits for the data,
-    # since a leaf's __setstate__ may read the tensors it holds.
-    tensors = _payload.tensors_of(decoded, buffers, group.device)
+    # The views are made while the buckets fill; a failure waits for the transfers, so that
+    # the source is not left sending, then raises (on every rank when a status follows).
+    tensors: list[torch.Tensor] = []
+    late: BaseException | None = None
+    try:
+        tensors = _payload.tensors_of(decoded, buffers, group.device)
+    except Exception as exc:
+        late = exc
+    # Unpickling waits for the data, since a leaf's __setstate__ may read the tensors it holds.
     for work in works:
         work.wait()
-    return loads(decoded.skeleton, tensors, safe=safe)
+    if decoded.late_status:  # whether the source packed every later bucket
+        _wire.settle(group, late, what=what)
+    elif late is not None:
+        raise_local(late, group, what)
+    return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)  # type: ignore[arg-type]
+
+
+def _check_list(object_list: object, rank: int) -> None:
+    if not isinstance(object_list, list):
+        msg = (
+            f"object_list={object_list!r:.80} on rank {rank} must be a list, got "
+            f"{type(object_list).__name__}; pass the items on the source and a list to fill "
+            "on the other ranks (such as [None])"
+        )
+        raise TypeError(msg)
+
+
+def _check_min_bytes(min_tensor_bytes: object, rank: int) -> None:
+    if (
+        isinstance(min_tensor_bytes, bool)
+        or not isinstance(min_tensor_bytes, int)
+        or min_tensor_bytes < 0
+    ):
+        msg = (
+            f"min_tensor_bytes={min_tensor_bytes!r:.80} on rank {rank} must be a non-negative "
+            f"int; pass a byte count such as {DEFAULT_MIN_TENSOR_BYTES}"
+        )
+        raise ValueError(msg)
 
 
 def broadcast_object_list(
@@ -166,16 +237,26 @@ def broadcast_object_list(
     """Broadcast ``object_list`` from group index ``src`` into every rank's list, in place.
 
     A drop-in for ``torch.distributed.broadcast_object_list`` that pickles only
-    the skeleton: tensors travel as tensors, coalesced into one collective per
-    (transport, 16 MiB) bucket, and are rebuilt on the receivers as views of
-    the received buckets. A payload whose header fits 4 KiB takes a single
-    collective in total. Repeated references to one tensor arrive as one
-    tensor. Containers are dict, list, tuple and namedtuple; other leaves are
-    pickled with the skeleton. CUDA tensors land on the receiver's device.
+    the skeleton: dense tensors travel as tensors, coalesced into one
+    collective per (transport, 16 MiB) bucket, and are rebuilt on the
+    receivers as views of the received buckets. Anything picklable travels,
+    as with torch: container subclasses (``defaultdict``...), shared and
+    self-containing containers keep their classes and structure; repeated
+    references to one tensor arrive as one tensor; ``nn.Parameter`` stays a
+    parameter; sparse, quantized, nested and subclass tensors are pickled
+    whole. CUDA tensors land on the receiver's device.
 
-    If the source finds a cycle, a shared container or an unsupported
-    container subclass in the payload (or cannot pickle it), every rank
-    raises the same :class:`~pdist.PdistError`; nobody waits.
+    A payload whose header fits 4 KiB takes a single collective in total.
+    With buckets, one small status all-reduce precedes them, so that a
+    failure on any rank (the source packing, a receiver decoding or
+    allocating) raises on every rank.
+
+    If the source's arguments are wrong or it cannot pickle the payload,
+    every rank raises the same :class:`~pdist.PdistError`, naming the
+    source; nobody waits. A receiver's bad argument raises on every rank when
+    buckets follow, and on that receiver alone otherwise (the others have
+    all they need). ``src`` is the caller's precondition: it must be the same
+    valid index on every rank.
 
     .. note:: All ranks of the group must call it. Receivers' lists are
        replaced by the source's items (their length may differ).
@@ -189,29 +270,32 @@ def broadcast_object_list(
             :func:`~pdist.broadcast_object`).
 
     Raises:
-        TypeError: ``object_list`` is not a list.
-        ValueError: ``src`` is outside the group.
-        PdistError: The source could not encode the payload (on every rank).
+        ValueError: ``src`` is outside the group (on the calling rank only).
+        PdistError: A rank failed (on every rank, naming it); it is also a
+            ``TypeError`` or ``ValueError`` when that rank's arguments were wrong.
     """
     g = as_group(group)
-    if not isinstance(object_list, list):
-        msg = f"object_list must be a list, got {type(object_list).__name__}"
-        raise TypeError(msg)
-    if (
-        isinstance(min_tensor_bytes, bool)
-        or not isinstance(min_tensor_bytes, int)
-        or min_tensor_bytes < 0
-    ):
-        msg = f"min_tensor_bytes={min_tensor_bytes!r} must be a non-negative int"
-        raise ValueError(msg)
+    error: BaseException | None = None
+    try:
+        _check_list(object_list, g.rank)
+        _check_min_bytes(min_tensor_bytes, g.rank)
+    except (TypeError, ValueError) as exc:
+        error = exc
     result = broadcast_tree(
         g,
         object_list,
         src,
         safe=safe,
         min_tensor_bytes=min_tensor_bytes,
-        check=check_tree,
+        error=error,
         what="broadcast_object_list",
     )
-    if result is not object_list:
-        object_list[:] = result
+    if result is object_list:
+        return
+    if not isinstance(result, list):
+        msg = (
+            f"broadcast_object_list: the source (group index {src}) sent a "
+            f"{type(result).__name__}, not a list"
+        )
+        raise PdistError(msg)
+    object_list[:] = result

@@ -1,25 +1,36 @@
-"""One wire format for every object transport: a header, a skeleton, inline bytes, buckets.
+"""One wire format for every object transport: prefix, header, skeleton, inline bytes, buckets.
 
-``encode`` pickles an object with its tensors set aside (see ``_serialize``).
-Tensors below ``min_tensor_bytes`` travel inline, as bytes in the message
-body; the others are packed, as raw bytes, into buckets per transport kind
-(``"cpu"``: over the CPU group; ``"device"``: over the device group, on the
-group's device), each bucket bounded by ``bucket_bytes`` (a larger tensor gets
-a bucket of its own and is sent without a copy). Receivers rebuild tensors as
-views of the received buckets. Non-CPU tensors land on the receiver's device,
-never on the sender's.
+``encode`` pickles an object with its dense tensors (and the storages of
+tensors pickled whole) set aside (see ``_serialize``). Tensors below
+``min_tensor_bytes`` travel inline, as bytes in the message body; the others
+are packed, as raw bytes, into buckets per transport kind (``"cpu"``: over the
+CPU group; ``"device"``: over the device group, on the group's device), each
+bucket bounded by ``bucket_bytes`` (a larger tensor gets a bucket of its own
+and is sent without a copy). Receivers rebuild tensors as views of the
+received buckets. Non-CPU tensors land on the receiver's device, never on the
+sender's.
 
-Body layout: ``[u32 header length][header pickle][skeleton][inline blob]``;
-the header is ``(skeleton length, specs, places, buckets)`` where a place is
-``(bucket index or -1 for inline, byte offset)`` and a bucket is
-``(kind, nbytes)``.
+Body layout: ``[prefix][header][skeleton][inline blob]``. Nothing before the
+skeleton is pickle:
+
+- the prefix is a struct ``(magic, header length, bucket count)``, so a
+  receiver knows whether buckets (and the status collective before them)
+  follow before it decodes anything else;
+- the header is JSON: ``{"s": skeleton length, "d": [dtype names], "b":
+  [[kind, nbytes], ...], "t": [[dtype index, flags, bucket or -1 for inline,
+  byte offset, [shape]], ...], "z": 1 when a status follows the buckets,
+  "k": in how many parts each bucket travels}``,
+  flags being :data:`GRAD`, :data:`PARAM`, :data:`DEVICE` and :data:`STORAGE`.
+
+Every field a peer sends is checked before use; a malformed one raises
+:class:`~pdist.PdistError` saying what was wrong.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
-import pickle
 import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -31,25 +42,31 @@ import torch.distributed as dist
 from ._errors import PdistError
 from ._group import Group
 from ._serialize import (
-    PROTOCOL,
     Safe,
     TensorSpec,
+    dtype_name,
+    dtype_of,
     dumps,
     loads,
     rebuild,
+    resolved,
     shaped,
-    spec_of,
     tensor_bytes,
 )
 from ._wire import bytes_of, tensor_of
 
 __all__ = [
     "ALIGN",
+    "DEVICE",
+    "GRAD",
+    "PARAM",
+    "STORAGE",
     "Bucket",
     "Decoded",
     "Encoded",
     "Fill",
     "aligned",
+    "bucket_count",
     "buffer",
     "cpu_buffer",
     "decode",
@@ -61,13 +78,38 @@ __all__ = [
     "process_group",
     "slab",
     "staging",
+    "tensors_of",
     "transport_device",
 ]
 
 ALIGN = 64
 """Byte alignment of tensors inside a bucket, so every dtype can view its slice."""
 
-_LEN = struct.Struct("<I")
+GRAD, PARAM, DEVICE, STORAGE = 1, 2, 4, 8
+"""Header flags: requires_grad, an ``nn.Parameter``, a non-CPU tensor, a storage's bytes."""
+
+_PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
+_MAGIC = b"pdP1"
+_KINDS = ("cpu", "device")
+_MAX_DIMS = 64
+
+
+def _viewable() -> frozenset[torch.dtype]:
+    """The dtypes a flat uint8 buffer can be viewed as, except quantized ones (never dense)."""
+    probe = torch.empty(64, dtype=torch.uint8)
+    out = set()
+    for dtype in {d for d in vars(torch).values() if isinstance(d, torch.dtype)}:
+        if "qint" in str(dtype) or "quint" in str(dtype):
+            continue
+        try:
+            probe.view(dtype)
+        except (RuntimeError, TypeError):
+            continue
+        out.add(dtype)
+    return frozenset(out)
+
+
+_VIEWABLE = _viewable()
 
 
 class Bucket(NamedTuple):
@@ -83,9 +125,12 @@ class Decoded:
 
     skeleton: bytes
     specs: list[TensorSpec]
+    storage: list[bool]
     places: list[tuple[int, int]]
     buckets: list[Bucket]
     blob: bytes
+    late_status: bool = False
+    split: int = 1
 
 
 _HUGE_MIN_BYTES = 32 << 20  # glibc's largest mapping threshold
@@ -142,26 +187,52 @@ def slab(sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
     return [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
 
 
+def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``flat`` (uint8, ``ALIGN``-ed) seen as a tensor of ``t``'s dtype and shape."""
+    return (flat if t.dtype == torch.uint8 else flat.view(t.dtype)).view(t.shape)
+
+
 @attrs.define
 class Fill:
-    """Tensors laid out in one bucket (at ``ALIGN``-ed byte offsets), packed on demand."""
+    """Tensors laid out in one bucket (at ``ALIGN``-ed byte offsets), packed on demand.
+
+    ``tensors`` are what is sent (on the transport's device, conjugation and
+    negation resolved); ``targets`` are where :meth:`unpack` writes received
+    data (the original tensors, which may live elsewhere); ``aliased[i]``
+    says whether ``tensors[i]`` is ``targets[i]``'s own memory.
+    """
 
     kind: str
     device: torch.device
     tensors: list[torch.Tensor] = attrs.field(factory=list)
+    targets: list[torch.Tensor] = attrs.field(factory=list)
+    aliased: list[bool] = attrs.field(factory=list)
     offsets: list[int] = attrs.field(factory=list)
     size: int = 0
 
-    def add(self, t: torch.Tensor, nbytes: int) -> int:
-        """Reserve ``nbytes`` of room for ``t``; returns its byte offset in the bucket."""
+    def add(
+        self, data: torch.Tensor, nbytes: int, target: torch.Tensor | None = None, *, alias: bool
+    ) -> int:
+        """Reserve ``nbytes`` of room for ``data``; returns its byte offset in the bucket."""
         offset = aligned(self.size)
-        self.tensors.append(t)
+        self.tensors.append(data)
+        self.targets.append(data if target is None else target)
+        self.aliased.append(alias)
         self.offsets.append(offset)
         self.size = offset + nbytes
         return offset
 
-    def _lone(self, total: int) -> bool:
-        return len(self.tensors) == 1 and total == self.size and self.tensors[0].is_contiguous()
+    def lone(self, total: int, *, receiving: bool = False) -> bool:
+        """Whether the bucket is one contiguous tensor travelling in place (no staging copy).
+
+        A receiver also needs the tensor to be its target's own memory.
+        """
+        return (
+            len(self.tensors) == 1
+            and total == self.size
+            and self.tensors[0].is_contiguous()
+            and (self.aliased[0] or not receiving)
+        )
 
     def pack(self, flat: torch.Tensor | None) -> torch.Tensor:
         """The bucket packed into ``flat`` (zero-padded past the tensors).
@@ -170,15 +241,20 @@ class Fill:
         """
         if flat is None:
             return tensor_bytes(self.tensors[0])
-        parts = [tensor_bytes(t) for t in self.tensors]
-        if all(p.numel() % ALIGN == 0 for p in parts):
-            # Offsets are then contiguous: one copy in C++.
-            torch.cat(parts, out=flat[: self.size])
-            flat[self.size :].zero_()
-            return flat
+        if all(t.is_contiguous() for t in self.tensors):
+            parts = [tensor_bytes(t) for t in self.tensors]
+            if all(p.numel() % ALIGN == 0 for p in parts):
+                # Offsets are then contiguous: one copy in C++.
+                torch.cat(parts, out=flat[: self.size])
+                flat[self.size :].zero_()
+                return flat
         flat.zero_()  # the padding between parts
-        for part, offset in zip(parts, self.offsets, strict=True):
-            flat[offset : offset + part.numel()].copy_(part)
+        for t, offset in zip(self.tensors, self.offsets, strict=True):
+            n = t.nbytes
+            if t.is_contiguous():
+                flat[offset : offset + n].copy_(tensor_bytes(t))
+            else:  # strided: one copy straight into place
+                _typed(flat[offset : offset + n], t).copy_(t.detach())
         return flat
 
     def receive_buffer(self, flat: torch.Tensor | None) -> torch.Tensor:
@@ -186,10 +262,9 @@ class Fill:
         return tensor_bytes(self.tensors[0]) if flat is None else flat
 
     def unpack(self, buffer: torch.Tensor) -> None:
-        """Copy a received bucket into the tensors of ``add`` (not needed for a lone tensor)."""
-        for t, offset in zip(self.tensors, self.offsets, strict=True):
-            n = t.nbytes
-            t.detach().copy_(buffer[offset : offset + n].view(t.dtype).view(t.shape))
+        """Copy a received bucket into the targets (not needed for a lone aliased tensor)."""
+        for t, offset in zip(self.targets, self.offsets, strict=True):
+            t.detach().copy_(_typed(buffer[offset : offset + t.nbytes], t))
 
 
 def transport_device(kind: str, device: torch.device) -> torch.device:
@@ -208,33 +283,46 @@ def place(
     """Put ``t`` into the open bucket of its transport, opening a new one when full.
 
     CPU tensors (and everything on a CPU group) go over the CPU group, other
-    tensors over the device group, on ``device``. Returns ``(bucket index,
-    byte offset)``.
+    tensors over the device group, on ``device``. A tensor elsewhere is
+    copied there to be sent; :meth:`Fill.unpack` writes received data back
+    into ``t`` itself. Returns ``(bucket index, byte offset)``.
     """
-    # Tensors already where they travel from are kept as they are (packing detaches them).
-    if t.is_cpu or device.type == "cpu":
-        kind, data = "cpu", t if t.is_cpu else t.detach().cpu()
+    # Packing detaches; only pending conjugation or negation needs resolving (a copy) now.
+    alias = not (t.is_conj() or t.is_neg())
+    data = t if alias else resolved(t)
+    if data.is_cpu or device.type == "cpu":
+        kind = "cpu"
+        if not data.is_cpu:
+            data, alias = data.cpu(), False
     else:
-        kind, data = "device", t if t.device == device else t.detach().to(device)
+        kind = "device"
+        if data.device != device:
+            data, alias = data.to(device), False
     # The open bucket of a kind is its last one, found from the end (at most two kinds).
     index = len(fills) - 1
     while index >= 0 and fills[index].kind != kind:
         index -= 1
-    nbytes = t.nbytes
+    nbytes = data.nbytes
     if index < 0 or aligned(fills[index].size) + nbytes > bucket_bytes:
         index = len(fills)
         fills.append(Fill(kind, transport_device(kind, device)))
-    return index, fills[index].add(data, nbytes)
+    return index, fills[index].add(data, nbytes, t, alias=alias)
 
 
-def staging(fills: list[Fill], sizes: list[int]) -> list[torch.Tensor | None]:
+def staging(
+    fills: list[Fill], sizes: list[int], *, receiving: bool = False
+) -> list[torch.Tensor | None]:
     """Buffers for the buckets of ``fills`` (of ``sizes`` bytes): one slab per transport.
 
     A lone tensor's bucket travels in place and gets None.
     """
     out: list[torch.Tensor | None] = [None] * len(fills)
-    for kind in ("cpu", "device"):
-        copied = [i for i, f in enumerate(fills) if f.kind == kind and not f._lone(sizes[i])]
+    for kind in _KINDS:
+        copied = [
+            i
+            for i, f in enumerate(fills)
+            if f.kind == kind and not f.lone(sizes[i], receiving=receiving)
+        ]
         if copied:
             flats = slab([sizes[i] for i in copied], fills[copied[0]].device)
             for i, flat in zip(copied, flats, strict=True):
@@ -242,18 +330,47 @@ def staging(fills: list[Fill], sizes: list[int]) -> list[torch.Tensor | None]:
     return out
 
 
-@attrs.frozen
+@attrs.define
 class Encoded:
     """A message body and the buckets that follow it (source side)."""
 
     body: bytes
     buckets: list[Bucket]
     _fills: list[Fill] = attrs.field(alias="fills")
-    _staging: list[torch.Tensor | None] = attrs.field(alias="staging")
+    _staging: list[torch.Tensor | None] | None = attrs.field(default=None, alias="staging")
+    late_status: bool = False
+    """Whether a bucket after the first is packed by copying (a broadcast that packs it while
+    the previous one is on the wire then reports the packing's status after the buckets)."""
+
+    def lone(self, index: int) -> bool:
+        """Whether bucket ``index`` is one tensor sent in place (:meth:`pack` copies nothing)."""
+        return self._fills[index].lone(self.buckets[index].nbytes)
+
+    def allocate(self) -> None:
+        """Allocate the staging memory of the buckets that need a copy (once)."""
+        if self._staging is None:
+            self._staging = staging(self._fills, [b.nbytes for b in self.buckets])
 
     def pack(self, index: int) -> torch.Tensor:
-        """The flat uint8 buffer of bucket ``index`` (packed now, so packing can overlap sends)."""
+        """The flat uint8 buffer of bucket ``index`` (staging memory is allocated on first use)."""
+        self.allocate()
+        assert self._staging is not None
         return self._fills[index].pack(self._staging[index])
+
+    def unpacked(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s buffer without packing it (what is sent after a packing failure)."""
+        self.allocate()
+        assert self._staging is not None
+        flat = self._staging[index]
+        return self._fills[index].receive_buffer(flat)
+
+    def pack_all(self) -> list[torch.Tensor]:
+        """Every bucket's flat buffer, packed now."""
+        return [self.pack(i) for i in range(len(self.buckets))]
+
+    def pack_into(self, index: int, flat: torch.Tensor) -> None:
+        """Pack bucket ``index`` into ``flat`` (its size in bytes), for transports that gather."""
+        self._fills[index].pack(flat)
 
 
 def encode(
@@ -263,62 +380,184 @@ def encode(
     min_tensor_bytes: int | None = None,
     bucket_bytes: int = 1 << 62,
     pad_to: int = 1,
+    split: int = 1,
 ) -> Encoded:
     """Encode ``obj`` for the group whose device is ``device``.
 
     ``min_tensor_bytes=None`` sends every tensor inline. Bucket sizes are
-    padded to a multiple of ``pad_to`` (for transports that split buckets).
+    padded to a multiple of ``pad_to`` (for transports that split buckets);
+    ``split`` tells the receiver in how many parts each bucket travels.
     """
-    skeleton, tensors = dumps(obj)
-    specs = [spec_of(t) for t in tensors]
-    places: list[tuple[int, int]] = []
+    skeleton, entries = dumps(obj)
+    dtypes: dict[str, int] = {}
+    records: list[list[Any]] = []
     inline: list[bytes] = []
     inline_size = 0
     fills: list[Fill] = []
-    for t in tensors:
+    for t, is_storage in entries:
         nbytes = t.nbytes
+        flags = (
+            (GRAD if t.requires_grad else 0)
+            | (PARAM if type(t) is torch.nn.Parameter else 0)
+            | (0 if t.is_cpu else DEVICE)
+            | (STORAGE if is_storage else 0)
+        )
         if min_tensor_bytes is None or nbytes < min_tensor_bytes:
-            inline.append(bytes_of(tensor_bytes(t.cpu())))
-            places.append((-1, inline_size))
+            inline.append(bytes_of(tensor_bytes(t).cpu()))
+            bucket, offset = -1, inline_size
             inline_size += nbytes
-            continue
-        places.append(place(fills, t, device, bucket_bytes))
+        else:
+            bucket, offset = place(fills, t, device, bucket_bytes)
+        code = dtypes.setdefault(dtype_name(t.dtype), len(dtypes))
+        records.append([code, flags, bucket, offset, list(t.shape)])
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
-    header = pickle.dumps(
-        (len(skeleton), specs, places, [tuple(b) for b in buckets]),
-        protocol=PROTOCOL,
+    late = any(not f.lone(b.nbytes) for f, b in zip(fills[1:], buckets[1:], strict=True))
+    header = json.dumps(
+        {
+            "s": len(skeleton),
+            "d": list(dtypes),
+            "b": [list(b) for b in buckets],
+            "t": records,
+            "z": int(late),
+            "k": split,
+        },
+        separators=(",", ":"),
+    ).encode()
+    prefix = _PREFIX.pack(_MAGIC, len(header), len(buckets))
+    body = b"".join([prefix, header, skeleton, *inline])
+    return Encoded(body, buckets, fills, late_status=late)
+
+
+def _corrupt(source: str, detail: str) -> PdistError:
+    return PdistError(f"{source} sent a corrupt payload: {detail}")
+
+
+def bucket_count(body: bytes, *, source: str = "a peer") -> int:
+    """How many buckets follow a message body (read from its fixed prefix only).
+
+    Raises:
+        PdistError: The body is not a pdist payload.
+    """
+    if len(body) < _PREFIX.size:
+        raise _corrupt(source, f"{len(body)} bytes, shorter than the payload prefix")
+    magic, _, count = _PREFIX.unpack_from(body)
+    if magic != _MAGIC:
+        raise _corrupt(source, f"unknown payload magic {magic!r}")
+    return int(count)
+
+
+def _is_int(value: object, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _record_kind(
+    code: int, flags: int, dtypes: list[torch.dtype], names: list[str], r: object, source: str
+) -> tuple[str, str, bool, bool, bool, int]:
+    """The spec fields a tensor record's dtype index and flags stand for, checked."""
+    if not (0 <= code < len(dtypes) and 0 <= flags < 16):
+        raise _corrupt(source, f"tensor record {r!r:.120}")
+    dtype = dtypes[code]
+    if flags & STORAGE and (dtype != torch.uint8 or flags & (GRAD | PARAM)):
+        raise _corrupt(source, f"storage record {r!r:.120}")
+    if flags & GRAD and not (dtype.is_floating_point or dtype.is_complex):
+        raise _corrupt(source, f"requires_grad on a {dtype} tensor in {r!r:.120}")
+    if dtype not in _VIEWABLE:
+        raise _corrupt(source, f"a {dtype} tensor travelling as bytes in {r!r:.120}")
+    return (
+        names[code],
+        "device" if flags & DEVICE else "cpu",
+        bool(flags & GRAD),
+        bool(flags & PARAM),
+        bool(flags & STORAGE),
+        dtype.itemsize,
     )
-    body = b"".join([_LEN.pack(len(header)), header, skeleton, *inline])
-    return Encoded(body, buckets, fills, staging(fills, [b.nbytes for b in buckets]))
 
 
-def decode(body: bytes, *, safe: Safe = False) -> Decoded:
-    """Parse a message body (the header is read through the safe unpickler when ``safe``)."""
-    (header_len,) = _LEN.unpack_from(body)
-    start = _LEN.size + header_len
-    header = loads(body[_LEN.size : start], [], safe=safe)
-    skeleton_len, specs, places, buckets = header
+def decode(body: bytes, *, source: str = "a peer") -> Decoded:
+    """Parse a message body, checking every field (a bad one raises :class:`~pdist.PdistError`)."""
+    count = bucket_count(body, source=source)
+    _, header_len, _ = _PREFIX.unpack_from(body)
+    start = _PREFIX.size + header_len
+    if start > len(body):
+        raise _corrupt(source, f"a header of {header_len} bytes in a body of {len(body)}")
+    try:
+        header = json.loads(body[_PREFIX.size : start])
+    except (UnicodeDecodeError, ValueError):
+        raise _corrupt(source, "the header is not JSON") from None
+    if not isinstance(header, dict) or set(header) != {"s", "d", "b", "t", "z", "k"}:
+        raise _corrupt(source, "the header does not have the fields s, d, b, t, z, k")
+    if not _is_int(header["k"], 1):
+        raise _corrupt(source, f"split {header['k']!r:.40}")
+    skeleton_len, names, raw_buckets, records = header["s"], header["d"], header["b"], header["t"]
+    if header["z"] not in (0, 1) or type(header["z"]) is not int:
+        raise _corrupt(source, f"late status flag {header['z']!r:.40}")
+    if not _is_int(skeleton_len) or start + skeleton_len > len(body):
+        raise _corrupt(source, f"skeleton length {skeleton_len!r:.40}")
+    if not isinstance(names, list):
+        raise _corrupt(source, "dtype table is not a list")
+    dtypes = [dtype_of(n) for n in names]
+    if not isinstance(raw_buckets, list) or len(raw_buckets) != count:
+        raise _corrupt(source, f"the bucket list does not hold the {count} buckets announced")
+    buckets = []
+    for b in raw_buckets:
+        if not (isinstance(b, list) and len(b) == 2 and b[0] in _KINDS and _is_int(b[1])):
+            raise _corrupt(source, f"bucket {b!r:.80}")
+        buckets.append(Bucket(b[0], b[1]))
+    if not isinstance(records, list):
+        raise _corrupt(source, "the tensor table is not a list")
+    blob = body[start + skeleton_len :]
+    specs, storage, places = [], [], []
+    # What a (dtype, flags) pair allows is checked once per distinct pair.
+    kinds: dict[tuple[int, int], tuple[str, str, bool, bool, bool, int]] = {}
+    for r in records:
+        if type(r) is not list or len(r) != 5:
+            raise _corrupt(source, f"tensor record {r!r:.120}")
+        code, flags, bucket, offset, shape = r
+        if not (
+            type(code) is int
+            and type(flags) is int
+            and type(bucket) is int
+            and type(offset) is int
+            and type(shape) is list
+            and -1 <= bucket < count
+            and offset >= 0
+            and len(shape) <= _MAX_DIMS
+            and all(type(d) is int and d >= 0 for d in shape)
+        ):
+            raise _corrupt(source, f"tensor record {r!r:.120}")
+        kind = kinds.get((code, flags))
+        if kind is None:
+            kind = kinds[code, flags] = _record_kind(code, flags, dtypes, names, r, source)
+        name, device_type, grad, param, is_storage, itemsize = kind
+        if is_storage and len(shape) != 1:
+            raise _corrupt(source, f"storage record {r!r:.120}")
+        if bucket < 0 and offset + math.prod(shape) * itemsize > len(blob):
+            raise _corrupt(source, f"inline tensor {r!r:.120} past the end of the body")
+        specs.append(TensorSpec(name, tuple(shape), device_type, grad, param))
+        storage.append(is_storage)
+        places.append((bucket, offset))
     return Decoded(
         skeleton=body[start : start + skeleton_len],
-        specs=list(map(TensorSpec._make, specs)),
+        specs=specs,
+        storage=storage,
         places=places,
-        buckets=[Bucket(k, n) for k, n in buckets],
-        blob=body[start + skeleton_len :],
+        buckets=buckets,
+        blob=blob,
+        late_status=bool(header["z"]),
+        split=header["k"],
     )
 
 
 def empty_buckets(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
     """Receive buffers for the buckets of ``decoded`` (one slab per transport)."""
-    out: list[torch.Tensor | None] = [None] * len(decoded.buckets)
-    for kind in ("cpu", "device"):
+    out: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(decoded.buckets)
+    for kind in _KINDS:
         members = [i for i, b in enumerate(decoded.buckets) if b.kind == kind]
         sizes = [decoded.buckets[i].nbytes for i in members]
-        for i, flat in zip(members, slab(sizes, transport_device(kind, device)), strict=True):
-            out[i] = flat
-    if any(t is None for t in out):
-        msg = f"unknown transport in buckets {decoded.buckets}"
-        raise PdistError(msg)
-    return out  # type: ignore[return-value]
+        if members:
+            for i, flat in zip(members, slab(sizes, transport_device(kind, device)), strict=True):
+                out[i] = flat
+    return out
 
 
 def _slices(
@@ -380,4 +619,5 @@ def materialize(
     safe: Safe = False,
 ) -> Any:
     """Rebuild the object from a decoded body and its received buckets."""
-    return loads(decoded.skeleton, tensors_of(decoded, buckets, device), safe=safe)
+    tensors = tensors_of(decoded, buckets, device)
+    return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)

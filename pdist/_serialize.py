@@ -1,9 +1,18 @@
-"""Pickling with tensors kept aside, and unpickling through an optional allow-list.
+"""Pickling with dense tensors taken out, and unpickling through an optional allow-list.
 
-Tensors inside a pickled object become persistent ids (``("storage", i)``)
-into a side list, so that transports can move their bytes as tensors and
-rebuild them on the receiver's device. Repeated references to one tensor get
-one id, so identity survives the trip. Pickles use protocol 2, the one torch's
+:func:`dumps` pickles any picklable object with a pickler whose
+``persistent_id`` takes dense strided tensors (plain tensors and
+``nn.Parameter``, on a real device) out into a side list, so that transports
+can move their bytes as tensors and rebuild them on the receiver's device.
+Everything else is left to pickle, so containers keep their classes, cycles
+and sharing: sparse, quantized, nested and subclass tensors are pickled whole
+by torch's own reductions, and the storages those reductions pickle are taken
+out too (as raw bytes). Repeated references to one tensor or storage get one
+id, so identity survives the trip.
+
+Persistent ids are ``("storage", i)`` (entry ``i`` is a dense tensor),
+``("storage", "u", i)`` (an untyped storage) and ``("storage", "s", i,
+dtype)`` (a typed storage). Pickles use protocol 2, the one torch's
 ``weights_only`` unpickler (reused for ``safe=True``) reads.
 """
 
@@ -12,6 +21,8 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -21,9 +32,12 @@ from ._errors import PdistError
 
 __all__ = [
     "PROTOCOL",
+    "Entry",
     "Safe",
     "TensorSpec",
+    "check_safe",
     "dtype_name",
+    "dtype_of",
     "dumps",
     "loads",
     "rebuild",
@@ -49,8 +63,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _NAMES[dtype]
 
 
+def dtype_of(name: object) -> torch.dtype:
+    """The ``torch.dtype`` called ``name``; anything else raises :class:`~pdist.PdistError`."""
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        msg = f"unknown dtype {name!r:.80} in a received tensor"
+        raise PdistError(msg)
+    return dtype
+
+
 class TensorSpec(NamedTuple):
-    """What a receiver needs to rebuild one tensor from its bytes."""
+    """What a receiver needs to rebuild one tensor from its bytes.
+
+    ``device_type`` is ``"cpu"`` for tensors that stay on the CPU; anything
+    else means the tensor lands on the receiver's device.
+    """
 
     dtype: str
     shape: tuple[int, ...]
@@ -61,11 +88,7 @@ class TensorSpec(NamedTuple):
     @property
     def torch_dtype(self) -> torch.dtype:
         """The ``torch.dtype`` named by ``dtype``."""
-        dtype = _DTYPES.get(self.dtype)
-        if dtype is None:
-            msg = f"unknown dtype {self.dtype!r} in a received tensor"
-            raise PdistError(msg)
-        return dtype
+        return dtype_of(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +97,7 @@ class TensorSpec(NamedTuple):
 
 
 def spec_of(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bool, bool]:
-    """The fields of ``t``'s :class:`TensorSpec` as a plain tuple (how specs travel)."""
+    """The fields of ``t``'s :class:`TensorSpec` as a plain tuple."""
     return (
         _NAMES[t.dtype],
         tuple(t.shape),
@@ -84,9 +107,23 @@ def spec_of(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bool, bool]:
     )
 
 
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with a pending conjugation or negation applied (a copy only then).
+
+    Conjugate and negative views cannot be viewed as bytes; resolving them
+    before anything is sent keeps packing from failing half-way.
+    """
+    flat = t.detach()
+    if flat.is_conj():
+        flat = flat.resolve_conj()
+    if flat.is_neg():
+        flat = flat.resolve_neg()
+    return flat
+
+
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s data as a flat contiguous uint8 tensor on its own device (a view when possible)."""
-    flat = t.detach()
+    flat = resolved(t)
     flat = flat.view(-1) if flat.is_contiguous() else flat.contiguous().view(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
@@ -107,63 +144,231 @@ def shaped(spec: TensorSpec, flat: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class Entry(NamedTuple):
+    """One thing :func:`dumps` took out of the pickle: a dense tensor, or a storage's bytes.
+
+    For a storage, ``tensor`` is a flat uint8 tensor over the storage's bytes.
+    """
+
+    tensor: torch.Tensor
+    is_storage: bool
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _extracted(t: torch.Tensor) -> bool:
+    """Whether ``t`` travels as raw bytes: a dense strided tensor of a plain class with data."""
+    return (
+        type(t) in _PLAIN
+        and t.layout is torch.strided
+        and not (t.is_quantized or t.is_nested or t.is_meta)
+        and not t.__dict__  # attributes set on a tensor are kept by torch's own reduction
+    )
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+_STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
+
+
 class _Pickler(pickle.Pickler):
+    # persistent_id runs for every object pickled: it is kept lean.
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}
+        self.entries: list[Entry] = []
+        self._tensors: dict[int, int] = {}  # id(tensor) -> entry index
+        self._storages: dict[int, int] = {}  # storage _cdata -> entry index
+        self._alive: list[object] = []  # keeps every keyed object alive, so its key stays unique
 
-    def persistent_id(self, obj: Any) -> tuple[str, int] | None:
-        if not isinstance(obj, torch.Tensor):
-            return None
-        index = self._index.get(id(obj))
+    def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
+        if isinstance(obj, torch.Tensor):
+            if not _extracted(obj):
+                return None
+            index = self._tensors.get(id(obj))
+            if index is None:
+                index = self._tensors[id(obj)] = len(self.entries)
+                self.entries.append(Entry(obj, False))
+                self._alive.append(obj)
+            return ("storage", index)
+        if isinstance(obj, _STORAGES):
+            if isinstance(obj, torch.storage.TypedStorage):
+                return ("storage", "s", self._storage(obj._untyped_storage), _NAMES[obj.dtype])
+            return ("storage", "u", self._storage(obj))
+        return None
+
+    def _storage(self, untyped: torch.UntypedStorage) -> int:
+        index = self._storages.get(untyped._cdata)
         if index is None:
-            index = self._index[id(obj)] = len(self.tensors)
-            self.tensors.append(obj)  # keeps obj alive, so its id stays unique
-        return ("storage", index)
+            index = self._storages[untyped._cdata] = len(self.entries)
+            self.entries.append(Entry(_storage_bytes(untyped), True))
+            self._alive.append(untyped)
+        return index
 
 
-def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """Pickle ``obj`` with its tensors set aside; returns the skeleton and the tensors."""
+def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
+    """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those."""
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(obj)
-    return buf.getvalue(), pickler.tensors
+    return buf.getvalue(), pickler.entries
 
 
-def _persistent_loader(tensors: Sequence[torch.Tensor]) -> Any:
-    def load(pid: Any) -> torch.Tensor:
-        if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "storage"):
-            msg = f"unexpected persistent id {pid!r} in a received object"
-            raise PdistError(msg)
-        return tensors[pid[1]]
+def check_safe(safe: object, rank: int) -> Safe:
+    """``safe`` if it is a valid ``safe=`` argument (classes listed as a tuple).
+
+    Raises:
+        TypeError: ``safe`` is neither a bool nor an iterable of classes.
+    """
+    if isinstance(safe, bool):
+        return safe
+    fix = "pass safe=True, safe=False, or an iterable of classes such as safe=[MyConfig]"
+    if isinstance(safe, (str, bytes)) or not isinstance(safe, Iterable):
+        msg = f"safe={safe!r:.80} on rank {rank} is not a bool or an iterable of classes; {fix}"
+        raise TypeError(msg)
+    classes = tuple(safe)
+    bad = [c for c in classes if not isinstance(c, type)]
+    if bad:
+        msg = f"safe= on rank {rank} lists {bad[0]!r:.80}, which is not a class; {fix}"
+        raise TypeError(msg)
+    return classes
+
+
+def _persistent_loader(entries: Sequence[torch.Tensor], storage: Sequence[bool]) -> Any:
+    untyped: dict[int, torch.UntypedStorage] = {}
+
+    def storage_of(index: int) -> torch.UntypedStorage:
+        found = untyped.get(index)
+        if found is None:
+            # A storage of its own: the received bytes are a view into a shared bucket.
+            found = untyped[index] = entries[index].clone().untyped_storage()
+        return found
+
+    def load(pid: Any) -> Any:
+        if type(pid) is tuple and len(pid) == 2 and pid[0] == "storage":
+            index = pid[1]
+            if type(index) is int and 0 <= index < len(entries) and not storage[index]:
+                return entries[index]
+        elif type(pid) is tuple and len(pid) in (3, 4) and pid[0] == "storage":
+            kind, index = pid[1], pid[2]
+            if type(index) is int and 0 <= index < len(entries):
+                if kind == "u" and len(pid) == 3 and storage[index]:
+                    return storage_of(index)
+                if kind == "s" and len(pid) == 4 and storage[index]:
+                    return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+                        wrap_storage=storage_of(index), dtype=dtype_of(pid[3]), _internal=True
+                    )
+        msg = (
+            f"unexpected persistent id {pid!r:.120} in a received object "
+            f"({len(entries)} tensors and storages travelled with it)"
+        )
+        raise PdistError(msg)
 
     return load
 
 
-def loads(data: bytes, tensors: Sequence[torch.Tensor], *, safe: Safe = False) -> Any:
-    """Unpickle a skeleton from :func:`dumps`, substituting ``tensors``.
+# Torch queues every sparse tensor it unpickles in one module-level list, to be validated
+# after loading; pdist validates the ones its own loads queued (a reentrant lock keeps
+# concurrent pdist loads from taking each other's).
+_SPARSE_LOCK = threading.RLock()
+
+
+def _validate_sparse(tensors: list[torch.Tensor]) -> None:
+    """Check sparse tensors' invariants (indices in range...); an invalid one raises PdistError."""
+    for t in tensors:
+        try:
+            if t.layout is torch.sparse_coo:
+                torch._validate_sparse_coo_tensor_args(
+                    t._indices(), t._values(), t.size(), t.is_coalesced(), check_pinning=False
+                )
+            elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+                torch._validate_sparse_compressed_tensor_args(
+                    t.crow_indices(),
+                    t.col_indices(),
+                    t.values(),
+                    t.size(),
+                    t.layout,
+                    check_pinning=False,
+                )
+            elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+                torch._validate_sparse_compressed_tensor_args(
+                    t.ccol_indices(),
+                    t.row_indices(),
+                    t.values(),
+                    t.size(),
+                    t.layout,
+                    check_pinning=False,
+                )
+            else:
+                msg = f"a received sparse tensor has an unknown layout {t.layout}"
+                raise PdistError(msg)
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            msg = f"a received sparse tensor is invalid: {exc}"
+            raise PdistError(msg) from None
+
+
+def loads(
+    data: bytes,
+    entries: Sequence[torch.Tensor],
+    storage: Sequence[bool] | None = None,
+    *,
+    safe: Safe = False,
+) -> Any:
+    """Unpickle a skeleton from :func:`dumps`, substituting ``entries`` for its persistent ids.
+
+    ``storage[i]`` says whether entry ``i`` holds a storage's bytes (a flat
+    uint8 tensor) rather than a tensor (default: all tensors).
 
     With ``safe`` set, unpickling goes through torch's ``weights_only``
     allow-list (builtin containers and scalars, tensors, dtypes, devices),
     plus the classes ``safe`` lists; anything else raises
-    :class:`~pdist.PdistError` naming it, without running it.
+    :class:`~pdist.PdistError` naming it, without running it. Every sparse
+    tensor received is checked against its invariants (indices in range). Any
+    failure to rebuild the object raises :class:`~pdist.PdistError`, the
+    original error as its cause.
     """
-    if safe is False:
-        unpickler = pickle.Unpickler(io.BytesIO(data))
-        unpickler.persistent_load = _persistent_loader(tensors)  # type: ignore[method-assign]
-        return unpickler.load()
-    from torch import _weights_only_unpickler
+    mask = [False] * len(entries) if storage is None else storage
+    persistent_load = _persistent_loader(entries, mask)
+    with _SPARSE_LOCK, warnings.catch_warnings():
+        # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly.
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        pending = torch._utils._sparse_tensors_to_validate
+        start = len(pending)
+        try:
+            obj = _load(data, persistent_load, safe)
+            fresh = list(pending[start:])
+        finally:
+            del pending[start:]
+        _validate_sparse(fresh)
+    return obj
 
-    extra: list[Any] = [] if safe is True else list(safe)
-    safe_unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-    safe_unpickler.persistent_load = _persistent_loader(tensors)  # type: ignore[method-assign]
+
+def _load(data: bytes, persistent_load: Any, safe: Safe) -> Any:
     try:
+        if safe is False:
+            unpickler = pickle.Unpickler(io.BytesIO(data))
+            unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+            return unpickler.load()
+        from torch import _weights_only_unpickler
+
+        extra: list[Any] = [] if safe is True else list(safe)
+        safe_unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+        safe_unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
         with torch.serialization.safe_globals(extra):
             return safe_unpickler.load()  # type: ignore[no-untyped-call]
+    except PdistError:
+        raise
     except pickle.UnpicklingError as exc:
+        if safe is False:
+            msg = f"the received object could not be unpickled: {exc}"
+            raise PdistError(msg) from exc
         msg = (
             f"safe unpickling refused the received object: {exc} "
             "(pass the class in safe=[...] if you trust the sender)"
         )
         raise PdistError(msg) from None
+    except Exception as exc:
+        msg = f"the received object could not be rebuilt: {type(exc).__name__}: {exc}"
+        raise PdistError(msg) from exc

@@ -336,7 +336,57 @@ def _states(
     return [(n, t) for n, t in named if not _ignored(n, ignore)]
 
 
-def _first_difference(src: list[tuple[str, Any, Any]], other: list[tuple[str, Any, Any]]) -> str:
+def _check_ignore(ignore: object, rank: int) -> tuple[str, ...]:
+    if isinstance(ignore, str):
+        return (ignore,)
+    fix = "pass a name or an iterable of names, such as ignore=('head',)"
+    if not isinstance(ignore, Iterable):
+        msg = f"ignore={ignore!r:.80} on rank {rank} is not a name or an iterable of names; {fix}"
+        raise TypeError(msg)
+    names = tuple(ignore)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        msg = f"ignore={names!r:.80} on rank {rank} holds {bad[0]!r:.40}, not a name; {fix}"
+        raise TypeError(msg)
+    return names
+
+
+def _local_states(
+    g: Group, model: object, src: object, ignore: object, broadcast_buffers: object
+) -> list[tuple[str, torch.Tensor]]:
+    """Validate this rank's arguments; the states to synchronize (bad arguments raise)."""
+    rank = g.rank
+    try:
+        g.global_rank(src)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} (on rank {rank})") from None
+    names = _check_ignore(ignore, rank)
+    if not isinstance(broadcast_buffers, bool):
+        msg = f"broadcast_buffers={broadcast_buffers!r:.40} on rank {rank} must be True or False"
+        raise TypeError(msg)
+    if not isinstance(model, nn.Module):
+        msg = (
+            f"model={model!r:.60} on rank {rank} is not an nn.Module; every rank of the group "
+            "must pass its own copy of the model"
+        )
+        raise TypeError(msg)
+    states = _states(model, names, broadcast_buffers)
+    meta = [n for n, t in states if t.device.type == "meta"]
+    if meta:
+        msg = (
+            f"model on rank {rank} has parameters or buffers on the meta device ({meta[:3]}), "
+            "which hold no data to send or receive; materialize them first "
+            "(model.to_empty(device=...) and initialize), or list them in ignore="
+        )
+        raise ValueError(msg)
+    return states
+
+
+def _entry(name: str, t: torch.Tensor) -> tuple[str, tuple[int, ...], str, str]:
+    return (name, tuple(t.shape), dtype_name(t.dtype), t.device.type)
+
+
+def _first_difference(src: list[list[Any]], other: list[list[Any]]) -> str:
     src_names, other_names = [e[0] for e in src], [e[0] for e in other]
     if src_names != other_names:
         extra = [n for n in other_names if n not in set(src_names)]
@@ -345,8 +395,8 @@ def _first_difference(src: list[tuple[str, Any, Any]], other: list[tuple[str, An
             return f"names only there: {extra[:3]}, names missing there: {missing[:3]}"
         return "the same names in another order"
     for a, b in zip(src, other, strict=True):
-        if a != b:
-            return f"{a[0]} {a[2]} {list(a[1])} vs {b[0]} {b[2]} {list(b[1])}"
+        if list(a) != list(b):
+            return f"{a[0]} {a[2]} {list(a[1])} on {a[3]} vs {b[0]} {b[2]} {list(b[1])} on {b[3]}"
     return "none"
 
 
@@ -360,12 +410,19 @@ def sync_model_states(
 ) -> None:
     """Copy ``model``'s parameters (and buffers) from group index ``src`` to every rank, in place.
 
-    Before any tensor moves, every rank exchanges a fingerprint of the
-    (name, shape, dtype) of what it will send or receive; any difference
-    raises :class:`~pdist.RankMismatchError` on every rank, naming the first
-    differing entries and the ranks (such a mismatch would otherwise deadlock
-    NCCL). Shared parameters are sent once; tensors travel in coalesced
-    buckets, not one collective each.
+    Before any tensor moves, every rank exchanges one record: its ``src``, a
+    fingerprint of the (name, shape, dtype, device type) of what it will send
+    or receive, or the error its own arguments raised. A bad argument on one
+    rank (``model=None``, a model on ``meta``, ``ignore=5``...) then raises
+    on every rank, naming that rank; ranks passing different ``src`` raise
+    :class:`~pdist.RankMismatchError`, and so does any fingerprint difference,
+    naming the first differing entries and the ranks (such a mismatch would
+    otherwise deadlock NCCL). Shared parameters are sent once; tensors travel
+    in coalesced buckets, not one collective each, after an 8-byte status
+    all-reduce that makes a failure while staging them raise everywhere too.
+    Tensors that do not live on the group's transport device (such as a CPU
+    group's model on another device) are sent from a copy and received into
+    a buffer, then written back into the model's own tensors.
 
     .. note:: All ranks of the group must call it.
 
@@ -376,55 +433,94 @@ def sync_model_states(
         ignore: Names (or name prefixes ending a dotted component, such as
             ``"head"`` for ``"head.weight"``) to leave alone.
         broadcast_buffers: Also synchronize buffers (running statistics...).
+
+    Raises:
+        PdistError: On every rank, when a rank's arguments are wrong (also a
+            ``TypeError`` or ``ValueError``, naming the rank and the fix).
+        RankMismatchError: On every rank, when ranks disagree on ``src`` or
+            on what they hold.
     """
     g = as_group(group)
-    g.global_rank(src)
-    if isinstance(ignore, str):
-        ignore = (ignore,)
-    ignore = tuple(ignore)
-    states = _states(model, ignore, broadcast_buffers)
+    what = "sync_model_states"
+    error: BaseException | None = None
+    states: list[tuple[str, torch.Tensor]] = []
+    try:
+        states = _local_states(g, model, src, ignore, broadcast_buffers)
+    except (TypeError, ValueError) as exc:
+        error = exc
     if g.world_size == 1:
+        if error is not None:
+            raise error
         return
-    entries = [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in states]
+    entries = [_entry(n, t) for n, t in states]
     digest = hashlib.sha256(repr(entries).encode()).hexdigest()
-    digests = _wire.exchange(g, digest, what="sync_model_states")
+    records = _wire.exchange(g, [src, digest], error=error, what=what)
+    srcs = [r[0] for r in records]
+    if len(set(map(repr, srcs))) > 1:
+        by_rank = ", ".join(f"rank {r}: src={s!r}" for r, s in zip(g.ranks, srcs, strict=True))
+        msg = f"{what}: the ranks passed different src ({by_rank}); pass the same src on every rank"
+        raise RankMismatchError(msg)
+    digests = [r[1] for r in records]
     if len(set(digests)) > 1:
         # Only now the full lists: the common path exchanges 64 bytes.
-        lists = _wire.exchange(g, entries, what="sync_model_states")
+        lists = _wire.exchange(g, entries, what=what)
         bad = [g.ranks[i] for i, d in enumerate(digests) if d != digests[src]]
         first_bad = g.ranks.index(bad[0])
         msg = (
-            f"sync_model_states: the states of ranks {bad} differ from those of src rank "
+            f"{what}: the states of ranks {bad} differ from those of src rank "
             f"{g.ranks[src]}: first difference (src vs rank {bad[0]}): "
             f"{_first_difference(lists[src], lists[first_bad])}"
         )
         raise RankMismatchError(msg)
     with torch.no_grad():
-        broadcast_tensors(g, [t for _, t in states], src)
+        broadcast_tensors(g, [t for _, t in states], src, what=what)
 
 
 def broadcast_tensors(
-    group: Group, tensors: list[torch.Tensor], src: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    group: Group,
+    tensors: list[torch.Tensor],
+    src: int,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    what: str = "broadcast_tensors",
 ) -> None:
     """Broadcast ``tensors`` (same shapes and dtypes on every rank) from ``src``, in place.
 
     Both sides know the layout, so no header travels: the source packs the
     tensors into byte buckets per transport, receivers unpack them into their
-    own tensors. A tensor of a bucket of its own is received in place.
+    own tensors. A tensor of a bucket of its own that lives on its
+    transport's device is received in place; any other is received into a
+    staging buffer and copied into the tensor itself (never into a copy).
+    Staging and packing happen before one 8-byte status all-reduce, so a
+    failure there raises on every rank instead of leaving the others waiting.
+
+    .. note:: All ranks of the group must call it.
     """
     src_global = group.global_rank(src)
     is_src = group.rank_in_group == src
     fills: list[Fill] = []
-    for t in tensors:
-        place(fills, t, group.device, bucket_bytes)
-    works = []
-    for fill, flat in zip(fills, staging(fills, [f.size for f in fills]), strict=True):
-        pg = process_group(group, fill.kind)
-        buffer = fill.pack(flat) if is_src else fill.receive_buffer(flat)
-        work = dist.broadcast(buffer, src=src_global, group=pg, async_op=True)
-        # A lone tensor (no staging buffer) is received in place; the others are unpacked.
-        works.append((fill if flat is not None and not is_src else None, buffer, work))
-    for fill_to_unpack, buffer, work in works:
-        work.wait()
-        if fill_to_unpack is not None:
-            fill_to_unpack.unpack(buffer)
+    buffers: list[torch.Tensor] = []
+    flats: list[torch.Tensor | None] = []
+    failure: BaseException | None = None
+    try:
+        for t in tensors:
+            place(fills, t, group.device, bucket_bytes)
+        flats = staging(fills, [f.size for f in fills], receiving=not is_src)
+        buffers = [
+            fill.pack(flat) if is_src else fill.receive_buffer(flat)
+            for fill, flat in zip(fills, flats, strict=True)
+        ]
+    except Exception as exc:
+        failure = exc
+    if fills or failure is not None:
+        _wire.settle(group, failure, what=what)
+    works = [
+        dist.broadcast(buffer, src=src_global, group=process_group(group, fill.kind), async_op=True)
+        for fill, buffer in zip(fills, buffers, strict=True)
+    ]
+    for work, fill, flat, buffer in zip(works, fills, flats, buffers, strict=True):
+        if work is not None:
+            work.wait()
+        # A lone tensor (no staging buffer) was received in place; the others are unpacked.
+        if flat is not None and not is_src:
+            fill.unpack(buffer)

@@ -31,6 +31,8 @@ from ._group import Group
 __all__ = [
     "FIRST_MESSAGE_BYTES",
     "RemoteError",
+    "RemoteTypeError",
+    "RemoteValueError",
     "agree",
     "all_gather_bytes",
     "all_gather_into",
@@ -42,6 +44,7 @@ __all__ = [
     "recv_bytes",
     "reraise_own",
     "send_bytes",
+    "settle",
     "tensor_of",
     "unframe",
 ]
@@ -57,6 +60,23 @@ _MAX_MARKER_TEXT = 16 << 10
 
 class RemoteError(PdistError):
     """A rank failed while preparing its part of a collective; every rank raises this."""
+
+
+class RemoteTypeError(RemoteError, TypeError):
+    """A rank's ``TypeError`` (a bad argument), raised on every rank of the collective."""
+
+
+class RemoteValueError(RemoteError, ValueError):
+    """A rank's ``ValueError`` (a bad argument), raised on every rank of the collective."""
+
+
+# A bad argument on one rank stays a TypeError/ValueError on every rank, as it would locally.
+_REMOTE_TYPES: dict[str, type[RemoteError]] = {
+    "TypeError": RemoteTypeError,
+    "ValueError": RemoteValueError,
+    "RemoteTypeError": RemoteTypeError,
+    "RemoteValueError": RemoteValueError,
+}
 
 
 def tensor_of(data: bytes | bytearray | memoryview, size: int | None = None) -> torch.Tensor:
@@ -116,7 +136,8 @@ def frame(payload: bytes | None, error: BaseException | None, rank: int) -> byte
 
 
 def _failure(group: Group, what: str, rank: int, kind: str, text: str) -> RemoteError:
-    return RemoteError(f"{what} on group {group.name!r} failed on rank {rank}: {kind}: {text}")
+    error_type = _REMOTE_TYPES.get(kind, RemoteError)
+    return error_type(f"{what} on group {group.name!r} failed on rank {rank}: {kind}: {text}")
 
 
 def unframe(data: bytes, group: Group, what: str) -> bytes:
@@ -293,23 +314,36 @@ def gather_bytes(
     return _unframe_all(messages, group, what)
 
 
-def exchange(group: Group, record: Any, *, what: str = "metadata exchange") -> list[Any]:
+def exchange(
+    group: Group,
+    record: Any,
+    *,
+    error: BaseException | None = None,
+    what: str = "metadata exchange",
+) -> list[Any]:
     """All-gather a small plain-data ``record`` from every rank, as JSON (never pickle).
 
     ``record`` holds only what JSON carries (dicts with str keys, lists,
     str, int, float, bool, None); tuples arrive as lists. If it cannot be
-    encoded on some rank, every rank raises; a record that does not decode
-    raises :class:`~pdist.PdistError` on the receiver.
+    encoded on some rank, or a rank passes ``error`` (a local failure, such as
+    a bad argument), every rank raises the same :class:`RemoteError`; a
+    record that does not decode raises :class:`~pdist.PdistError` on the
+    receiver.
     """
-    try:
-        payload: bytes | None = json.dumps(record, separators=(",", ":")).encode()
-        error = None
-    except (TypeError, ValueError) as exc:
-        payload, error = None, exc
+    payload: bytes | None = None
+    if error is None:
+        try:
+            payload = json.dumps(record, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            error = exc
     out = []
-    for rank, data in zip(
-        group.ranks, all_gather_bytes(group, payload, error=error, what=what), strict=True
-    ):
+    try:
+        gathered = all_gather_bytes(group, payload, error=error, what=what)
+    except RemoteError as exc:
+        if error is not None:
+            raise exc from error
+        raise
+    for rank, data in zip(group.ranks, gathered, strict=True):
         try:
             out.append(json.loads(data))
         except (UnicodeDecodeError, ValueError):
@@ -332,3 +366,29 @@ def agree(group: Group, digest: bytes) -> bool:
     both = torch.tensor([h, -h], dtype=torch.int64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.cpu_group)
     return int(both[0]) == -int(both[1])
+
+
+def settle(group: Group, error: BaseException | None, *, what: str) -> None:
+    """Every rank reports whether its local step failed; if one did, every rank raises.
+
+    The status collective of the multi-step transfers: after the header went
+    out and before buckets move, each rank passes the error of its local work
+    (decoding, allocating, packing), or None. Costs one 8-byte all-reduce when
+    all went well; otherwise the markers follow in an all-gather and every
+    rank raises the same :class:`RemoteError`, naming the first failing rank.
+
+    .. note:: All ranks of the group must call it.
+    """
+    if group.world_size == 1:
+        reraise_own(error, group, what, group.rank)
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    if int(flag[0]) == 0:
+        return
+    try:
+        all_gather_bytes(group, None if error is not None else b"", error=error, what=what)
+    except RemoteError as exc:
+        if error is not None:
+            raise exc from error
+        raise

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import time
 
 import pytest
 import torch
@@ -93,7 +92,7 @@ def test_round_trip_from_every_src(ctx):
 
 
 class MyList(list):
-    """A list subclass the structured broadcast refuses."""
+    """A list subclass: it travels as itself."""
 
 
 def _cycle():
@@ -107,26 +106,20 @@ def _shared():
     return [{"a": inner, "b": inner}]
 
 
-BAD_PAYLOADS = {
-    "cycle": (_cycle, r"cycle: the container at \[0\]\[1\]\['back'\] contains itself"),
-    "shared": (_shared, r"shared container: \[0\]\['b'\] is the same object as \[0\]\['a'\]"),
-    "subclass": (lambda: [MyList([1])], r"unsupported container type MyList at \[0\]"),
-}
-
-
 @world_sizes(2, 3)
-def test_bad_payloads_raise_on_every_rank_quickly(ctx):
-    """Cycles, shared containers and container subclasses fail on every rank, fast."""
+def test_cycles_shared_containers_and_subclasses_travel(ctx):
+    """What torch's broadcast_object_list carries, pdist's carries too, structure intact."""
     src = ctx.world_size - 1
-    for name, (make, match) in BAD_PAYLOADS.items():
-        start = time.monotonic()
-        objs = make() if ctx.rank == src else [None]
-        with pytest.raises(pdist.PdistError, match=match) as info:
-            pdist.broadcast_object_list(ctx, objs, src=src)
-        assert f"failed on rank {src}: ValueError" in str(info.value), name
-        assert time.monotonic() - start < 5, name
-    # The group is still in step afterwards.
-    assert pdist.broadcast_object(ctx, "ok" if ctx.rank == 0 else None) == "ok"
+    objs = _cycle() if ctx.rank == src else [None]
+    pdist.broadcast_object_list(ctx, objs, src=src)
+    assert objs[0][1]["back"] is objs[0]
+    objs = _shared() if ctx.rank == src else [None]
+    pdist.broadcast_object_list(ctx, objs, src=src)
+    assert objs[0]["a"] is objs[0]["b"]
+    objs = [MyList([1, torch.arange(600.0)])] if ctx.rank == src else [None]
+    pdist.broadcast_object_list(ctx, objs, src=src)
+    assert type(objs[0]) is MyList
+    assert torch.equal(objs[0][1], torch.arange(600.0))
 
 
 @world_sizes(2)
@@ -141,7 +134,7 @@ def test_tiny_payload_takes_one_collective(ctx):
 
 @world_sizes(2)
 def test_collectives_do_not_grow_with_the_number_of_tensors(ctx):
-    """The collective count is the header plus one per bucket, whatever the tensor count."""
+    """The collective count is the header, the status and one per bucket, whatever the tensors."""
     counts = []
     for n in (10, 100, 1000):
         objs = [[torch.full((1024,), float(i)) for i in range(n)]] if ctx.rank == 0 else [None]
@@ -149,18 +142,20 @@ def test_collectives_do_not_grow_with_the_number_of_tensors(ctx):
             pdist.broadcast_object_list(ctx, objs)
         assert [t[0].item() for t in objs[0]] == [float(i) for i in range(n)]
         counts.append(sum(calls.values()))
-    # Header (first chunk, plus the rest when the specs outgrow it) and one bucket.
-    assert counts[0] <= 3
-    assert counts[-1] <= 3
+    # Header (first chunk, plus the rest when the specs outgrow it), the status and one bucket.
+    assert counts[0] <= 4
+    assert counts[-1] <= 4
     assert counts[-1] - counts[0] <= 1
 
 
 @world_sizes(2)
 def test_bad_arguments(ctx):
     """object_list must be a list and min_tensor_bytes a non-negative int."""
-    with pytest.raises(TypeError, match="object_list must be a list, got tuple"):
+    with pytest.raises(TypeError, match=r"object_list=\(1,\) on rank 0 must be a list, got tuple"):
         pdist.broadcast_object_list(ctx, (1,))
-    with pytest.raises(ValueError, match="min_tensor_bytes=-1 must be a non-negative int"):
+    with pytest.raises(
+        ValueError, match="min_tensor_bytes=-1 on rank 0 must be a non-negative int"
+    ):
         pdist.broadcast_object_list(ctx, [1], min_tensor_bytes=-1)
     with pytest.raises(ValueError, match="src=5 is outside group 'world' of size 2"):
         pdist.broadcast_object_list(ctx, [1], src=5)

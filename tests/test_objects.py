@@ -5,12 +5,13 @@ from __future__ import annotations
 import collections
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
 
 import pdist
-from pdist.testing import world_sizes
+from pdist.testing import count_collectives, world_sizes
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -30,6 +31,13 @@ class Evil:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.path}",))
+
+
+class EvilPerRank(Evil):
+    """Unpickling it creates a marker file named after the unpickling rank."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}-$RANK",))
 
 
 class Unpicklable:
@@ -139,14 +147,18 @@ def test_safe_refuses_code_execution(ctx):
 def test_all_gather_object_safe_refusal(ctx):
     """A safe receiver refuses another rank's evil object in all_gather_object too."""
     marker = os.path.join(tempfile.gettempdir(), f"pdist-evil2-{os.environ['MASTER_PORT']}")
-    mine = Evil(marker) if ctx.rank == 1 else 0
+    # $RANK expands to the rank that unpickles: rank 1's own entry is a copy, unpickled
+    # (and so run) by rank 1 itself, as torch's all_gather_object does.
+    mine = EvilPerRank(marker) if ctx.rank == 1 else 0
     if ctx.rank == 0:
         with pytest.raises(pdist.PdistError, match="system"):
             pdist.all_gather_object(ctx, mine, safe=True)
     else:
         pdist.all_gather_object(ctx, mine)
     pdist.barrier(ctx)
-    assert not os.path.exists(marker)
+    assert not os.path.exists(f"{marker}-0")
+    if ctx.rank == 1:
+        os.unlink(f"{marker}-1")
 
 
 @world_sizes(2, 3)
@@ -231,3 +243,206 @@ def test_tensor_dict_send_allgather(ctx):
     else:
         d = pdist.recv_tensor_dict(ctx, src=ctx.rank - 2, all_gather_group=tp)
         _check_dict(d, 9)
+
+
+class Holder:
+    """A user class holding a tensor (module level, so every rank can unpickle it)."""
+
+    def __init__(self, t: torch.Tensor, note: str) -> None:
+        self.t = t
+        self.note = note
+
+
+def _quantized(seed: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensor creation
+        return torch.quantize_per_tensor(torch.arange(600.0) + seed, 0.5, 2, torch.quint8)
+
+
+def _rich(seed: int):
+    """Everything pickle carries that a tree-only format would refuse or mangle."""
+    shared = [seed, "shared"]
+    dd = collections.defaultdict(list)
+    dd["a"].append(torch.arange(300.0) + seed)  # 1200 bytes: travels in a bucket
+    loop = {"name": "loop"}
+    loop["me"] = loop
+    base = torch.arange(2000.0).reshape(40, 50) + seed
+    sparse = torch.sparse_coo_tensor(
+        [[0, 2, 1], [1, 0, 2]], [3.0, 4.0, float(seed)], (3, 3), check_invariants=True
+    )
+    return {
+        "dd": dd,
+        "od": collections.OrderedDict([("z", 1), ("a", shared), ("m", seed)]),
+        "shared": [shared, shared],
+        "loop": loop,
+        "holder": Holder(torch.full((400,), float(seed)), "held"),
+        "param": torch.nn.Parameter(torch.ones(300) * seed),
+        "frozen": torch.nn.Parameter(torch.ones(3), requires_grad=False),
+        "sparse": sparse,
+        "q": _quantized(seed),
+        "view": base.t()[::2],
+        "empties": ((), ((),), ()),
+        "small": torch.tensor([seed]),
+    }
+
+
+def _check_rich(out, seed: int) -> None:
+    expected = _rich(seed)
+    assert type(out["dd"]) is collections.defaultdict
+    assert out["dd"].default_factory is list
+    assert torch.equal(out["dd"]["a"][0], expected["dd"]["a"][0])
+    assert type(out["od"]) is collections.OrderedDict
+    assert list(out["od"].items()) == list(expected["od"].items())
+    assert out["shared"][0] is out["shared"][1] is out["od"]["a"]
+    assert out["loop"]["me"] is out["loop"]
+    assert type(out["holder"]) is Holder
+    assert out["holder"].note == "held"
+    assert torch.equal(out["holder"].t, expected["holder"].t)
+    assert type(out["param"]) is torch.nn.Parameter
+    assert out["param"].requires_grad
+    assert torch.equal(out["param"].detach(), expected["param"].detach())
+    assert type(out["frozen"]) is torch.nn.Parameter
+    assert not out["frozen"].requires_grad
+    assert out["sparse"].layout == torch.sparse_coo
+    assert torch.equal(out["sparse"].to_dense(), expected["sparse"].to_dense())
+    assert out["q"].is_quantized
+    assert out["q"].q_scale() == 0.5
+    assert torch.equal(out["q"].dequantize(), expected["q"].dequantize())
+    assert out["view"].shape == (25, 40)
+    assert torch.equal(out["view"], expected["view"])
+    assert out["empties"] == ((), ((),), ())
+    assert torch.equal(out["small"], expected["small"])
+
+
+@world_sizes(2, 3)
+def test_rich_payloads_round_trip_on_every_path(ctx):
+    """Rich payloads survive every object path with types, identity and values intact."""
+    last = ctx.world_size - 1
+    objs = [_rich(last), "tail"] if ctx.rank == last else [None]
+    pdist.broadcast_object_list(ctx, objs, src=last)
+    _check_rich(objs[0], last)
+    assert objs[1] == "tail"
+    for rank, obj in enumerate(pdist.all_gather_object(ctx, _rich(ctx.rank))):
+        _check_rich(obj, rank)
+    got = pdist.gather_object(ctx, _rich(ctx.rank), dst=last)
+    if ctx.rank == last:
+        for rank, obj in enumerate(got):
+            _check_rich(obj, rank)
+    else:
+        assert got is None
+    if ctx.rank == 0:
+        pdist.send_object(ctx, _rich(0), dst=last)
+    elif ctx.rank == last:
+        _check_rich(pdist.recv_object(ctx, src=0), 0)
+    with pdist.message_queue(ctx.world) as group:
+        for _ in range(2):
+            _check_rich(pdist.broadcast_object(group, _rich(0) if ctx.rank == 0 else None), 0)
+
+
+@world_sizes(1, 2)
+def test_all_gather_object_returns_copies(ctx):
+    """Every entry is a copy, the caller's own included, as with torch."""
+    mine = {"t": torch.full((1000,), float(ctx.rank)), "l": [ctx.rank]}
+    got = pdist.all_gather_object(ctx, mine)
+    own = got[ctx.rank]
+    assert own is not mine
+    assert own["l"] is not mine["l"]
+    assert own["t"].data_ptr() != mine["t"].data_ptr()
+    assert torch.equal(own["t"], mine["t"])
+    got = pdist.gather_object(ctx, mine, dst=0)
+    if ctx.rank == 0:
+        assert got[0] is not mine
+        assert got[0]["t"].data_ptr() != mine["t"].data_ptr()
+
+
+@world_sizes(2)
+def test_uneven_gathers(ctx):
+    """One rank with much more tensor data than the others: each rank's bytes travel alone."""
+    big = torch.arange(100_000.0) if ctx.rank == 1 else torch.ones(300)
+    for rank, obj in enumerate(pdist.all_gather_object(ctx, {"t": big})):
+        assert obj["t"].numel() == (100_000 if rank == 1 else 300)
+        assert obj["t"][-1].item() == (99_999.0 if rank == 1 else 1.0)
+    got = pdist.gather_object(ctx, {"t": big}, dst=0)
+    if ctx.rank == 0:
+        assert torch.equal(got[1]["t"], torch.arange(100_000.0))
+        assert torch.equal(got[0]["t"], torch.ones(300))
+
+
+def _many(n: int):
+    return {"ts": [torch.full((1024,), float(i)) for i in range(n)], "step": 3}
+
+
+def _counted(fn) -> int:
+    with count_collectives() as calls:
+        fn()
+    return sum(calls.values())
+
+
+@world_sizes(2)
+def test_object_collectives_do_not_grow_with_the_number_of_tensors(ctx):
+    """200 or 300 tensors of 4 KiB cost the same collectives on every object path, at most 6."""
+    by_n = {}
+    for n in (200, 300):
+        src = _many(n)
+        mine = src if ctx.rank == 0 else None
+        counts = {
+            "broadcast_object": _counted(lambda: pdist.broadcast_object(ctx, mine)),  # noqa: B023
+            "broadcast_object_list": _counted(
+                lambda: pdist.broadcast_object_list(ctx, [mine])  # noqa: B023
+            ),
+            "broadcast_tensor_dict": _counted(
+                lambda: pdist.broadcast_tensor_dict(ctx, mine)  # noqa: B023
+            ),
+            "all_gather_object": _counted(lambda: pdist.all_gather_object(ctx, src)),  # noqa: B023
+            "gather_object": _counted(lambda: pdist.gather_object(ctx, src)),  # noqa: B023
+        }
+        if ctx.rank == 0:
+            counts["send_object"] = _counted(lambda: pdist.send_object(ctx, src, dst=1))  # noqa: B023
+            counts["send_tensor_dict"] = _counted(
+                lambda: pdist.send_tensor_dict(ctx, src, dst=1)  # noqa: B023
+            )
+        else:
+            got = {}
+            counts["send_object"] = _counted(lambda: got.update(o=pdist.recv_object(ctx, src=0)))  # noqa: B023
+            counts["send_tensor_dict"] = _counted(
+                lambda: got.update(d=pdist.recv_tensor_dict(ctx, src=0))  # noqa: B023
+            )
+            assert [t[0].item() for t in got["o"]["ts"]] == [float(i) for i in range(n)]
+            assert torch.equal(got["d"]["ts"][-1], src["ts"][-1])
+        by_n[n] = counts
+    assert by_n[200] == by_n[300], by_n
+    assert max(by_n[200].values()) <= 6, by_n
+
+
+@world_sizes(2)
+def test_safe_refuses_a_class_off_the_allow_list_on_every_path(ctx):
+    """safe=True refuses Config on every receive path; safe=[Config] admits it."""
+    payload = {"cfg": Config(0.5), "t": torch.ones(600)}
+    mine = payload if ctx.rank == 0 else None
+    refused = pytest.raises(pdist.PdistError, match="Config")
+
+    def receive(call, *, on=(1,)):
+        if ctx.rank in on:
+            with refused:
+                call()
+        else:
+            call()
+
+    receive(lambda: pdist.broadcast_object(ctx, mine, safe=True))
+    receive(lambda: pdist.broadcast_object_list(ctx, [mine], safe=True))
+    receive(lambda: pdist.broadcast_tensor_dict(ctx, mine, safe=True))
+    receive(lambda: pdist.all_gather_object(ctx, payload, safe=True), on=(0, 1))
+    receive(lambda: pdist.gather_object(ctx, payload, dst=1, safe=True))
+    if ctx.rank == 0:
+        pdist.send_object(ctx, payload, dst=1)
+        pdist.send_tensor_dict(ctx, payload, dst=1)
+    else:
+        with refused:
+            pdist.recv_object(ctx, src=0, safe=True)
+        with refused:
+            pdist.recv_tensor_dict(ctx, src=0, safe=True)
+    with pdist.message_queue(ctx.world) as group:
+        receive(lambda: pdist.broadcast_object(group, mine, safe=True))
+        receive(lambda: pdist.broadcast_tensor_dict(group, mine, safe=True))
+    assert pdist.broadcast_object(ctx, mine, safe=[Config])["cfg"].lr == 0.5
+    assert pdist.all_gather_object(ctx, payload, safe=[Config])[0]["cfg"].lr == 0.5

@@ -1,0 +1,448 @@
+"""Fail together on the object paths: one bad rank, and every rank raises within seconds.
+
+Each case runs on real gloo ranks inside ``distributed(timeout=30)``; one rank
+gets a bad argument or a failure injected into a local step (packing,
+allocating, decoding) while the others are correct. Every rank must raise the
+same error type, naming the failing rank, within 10 s (measured inside the
+ranks), instead of waiting for the 30 s timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from unittest import mock
+
+import pytest
+import torch
+
+import pdist
+from pdist import _payload
+from pdist.testing import spawn, world_sizes
+
+BIG = 8192  # elements: tensors of 32 KiB and more travel in buckets
+
+
+class Shipped:
+    """A class the receiver will pretend not to have."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _payload_with_buckets():
+    return {"w": torch.arange(float(BIG)), "step": 3}
+
+
+def _fail(target, name: str, text: str):
+    return mock.patch.object(target, name, side_effect=RuntimeError(text))
+
+
+# --------------------------------------------------------------------------- cases
+# Each takes the context; the bad rank is the one the case names in CASES.
+
+
+def _bol_pack_fails(ctx):
+    objs = [_payload_with_buckets()] if ctx.rank == 0 else [None]
+    if ctx.rank == 0:
+        with _fail(_payload.Fill, "pack", "simulated packing failure"):
+            pdist.broadcast_object_list(ctx, objs)
+    else:
+        pdist.broadcast_object_list(ctx, objs)
+
+
+def _bol_late_pack_fails(ctx):
+    """Packing the second bucket (9 MiB and 2 KiB) fails while the first is on the wire."""
+    tensors = [torch.ones(9 << 18), torch.ones(9 << 18), torch.ones(512)]
+    objs = [tensors] if ctx.rank == 0 else [None]
+    if ctx.rank != 0:
+        pdist.broadcast_object_list(ctx, objs)
+        return
+    real = _payload.Fill.pack
+    calls = []
+
+    def pack(self, flat):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("simulated late packing failure")
+        return real(self, flat)
+
+    with mock.patch.object(_payload.Fill, "pack", pack):
+        pdist.broadcast_object_list(ctx, objs)
+
+
+def _mq_tensor_dict_pack_fails(ctx):
+    with pdist.message_queue(ctx.world) as group:
+        if ctx.rank == 0:
+            with _fail(_payload.Fill, "pack", "simulated packing failure"):
+                pdist.broadcast_tensor_dict(group, _payload_with_buckets())
+        else:
+            pdist.broadcast_tensor_dict(group)
+
+
+def _send_tensor_dict_pack_fails(ctx):
+    if ctx.rank == 0:
+        with _fail(_payload.Fill, "pack", "simulated packing failure"):
+            pdist.send_tensor_dict(ctx, _payload_with_buckets(), dst=1)
+    elif ctx.rank == 1:
+        pdist.recv_tensor_dict(ctx, src=0)
+
+
+def _send_tensor_dict_not_a_dict(ctx):
+    if ctx.rank == 0:
+        pdist.send_tensor_dict(ctx, [torch.ones(BIG)], dst=1)
+    elif ctx.rank == 1:
+        pdist.recv_tensor_dict(ctx, src=0)
+
+
+def _bol_receiver_passes_none(ctx):
+    objs = [_payload_with_buckets()] if ctx.rank == 0 else [None]
+    pdist.broadcast_object_list(ctx, None if ctx.rank == 1 else objs)
+
+
+def _bol_receiver_bad_safe(ctx):
+    objs = [_payload_with_buckets()] if ctx.rank == 0 else [None]
+    pdist.broadcast_object_list(ctx, objs, safe=123 if ctx.rank == 1 else False)
+
+
+def _bol_receiver_bad_min_bytes(ctx):
+    objs = [_payload_with_buckets()] if ctx.rank == 0 else [None]
+    pdist.broadcast_object_list(ctx, objs, min_tensor_bytes=-5 if ctx.rank == 1 else 1024)
+
+
+def _bol_receiver_allocation_fails(ctx):
+    objs = [_payload_with_buckets()] if ctx.rank == 0 else [None]
+    if ctx.rank == 1:
+        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+            pdist.broadcast_object_list(ctx, objs)
+    else:
+        pdist.broadcast_object_list(ctx, objs)
+
+
+def _tensor_dict_receiver_allocation_fails(ctx):
+    if ctx.rank == 1:
+        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+            pdist.broadcast_tensor_dict(ctx)
+    else:
+        pdist.broadcast_tensor_dict(ctx, _payload_with_buckets() if ctx.rank == 0 else None)
+
+
+def _all_gather_allocation_fails(ctx):
+    if ctx.rank == 1:
+        with _fail(_payload, "buffer", "simulated out of memory"):
+            pdist.all_gather_object(ctx, _payload_with_buckets())
+    else:
+        pdist.all_gather_object(ctx, _payload_with_buckets())
+
+
+def _all_gather_bad_safe(ctx):
+    pdist.all_gather_object(ctx, _payload_with_buckets(), safe="yes" if ctx.rank == 1 else False)
+
+
+def _gather_allocation_fails(ctx):
+    if ctx.rank == 1:
+        with _fail(_payload, "buffer", "simulated out of memory"):
+            pdist.gather_object(ctx, _payload_with_buckets(), dst=1)
+    else:
+        pdist.gather_object(ctx, _payload_with_buckets(), dst=1)
+
+
+def _gather_bad_safe(ctx):
+    pdist.gather_object(ctx, _payload_with_buckets(), dst=0, safe=[1] if ctx.rank == 1 else False)
+
+
+def _recv_object_allocation_fails(ctx):
+    if ctx.rank == 0:
+        pdist.send_object(ctx, _payload_with_buckets(), dst=1)
+    elif ctx.rank == 1:
+        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+            pdist.recv_object(ctx, src=0)
+
+
+def _recv_object_bad_safe(ctx):
+    if ctx.rank == 0:
+        pdist.send_object(ctx, _payload_with_buckets(), dst=1)
+    elif ctx.rank == 1:
+        pdist.recv_object(ctx, src=0, safe=None)
+
+
+def _recv_tensor_dict_allocation_fails(ctx):
+    if ctx.rank == 0:
+        pdist.send_tensor_dict(ctx, _payload_with_buckets(), dst=1)
+    elif ctx.rank == 1:
+        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+            pdist.recv_tensor_dict(ctx, src=0)
+
+
+def _staged_receiver_allocation_fails(ctx):
+    """Two pipeline stages of 2 (ranks 0,1 -> 2,3); receiver rank 3 cannot allocate."""
+    tp = pdist.new_tp_group(ctx, 2)
+    if ctx.rank < 2:
+        pdist.send_tensor_dict(ctx, _payload_with_buckets(), dst=ctx.rank + 2, all_gather_group=tp)
+    elif ctx.rank == 3:
+        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+            pdist.recv_tensor_dict(ctx, src=1, all_gather_group=tp)
+    else:
+        pdist.recv_tensor_dict(ctx, src=0, all_gather_group=tp)
+
+
+CASES = {
+    # name: (function, world size, bad rank, expected type, text in the message)
+    "bol_pack_fails": (_bol_pack_fails, 3, 0, RuntimeError, "simulated packing failure"),
+    "bol_late_pack_fails": (
+        _bol_late_pack_fails,
+        3,
+        0,
+        RuntimeError,
+        "simulated late packing failure",
+    ),
+    "mq_tensor_dict_pack_fails": (
+        _mq_tensor_dict_pack_fails,
+        3,
+        0,
+        RuntimeError,
+        "simulated packing failure",
+    ),
+    "send_tensor_dict_pack_fails": (
+        _send_tensor_dict_pack_fails,
+        2,
+        0,
+        RuntimeError,
+        "simulated packing failure",
+    ),
+    "send_tensor_dict_not_a_dict": (
+        _send_tensor_dict_not_a_dict,
+        2,
+        0,
+        TypeError,
+        "tensor_dict must be a dict, got list",
+    ),
+    "bol_receiver_passes_none": (
+        _bol_receiver_passes_none,
+        3,
+        1,
+        TypeError,
+        "object_list=None on rank 1 must be a list",
+    ),
+    "bol_receiver_bad_safe": (_bol_receiver_bad_safe, 3, 1, TypeError, "safe=123 on rank 1"),
+    "bol_receiver_bad_min_bytes": (
+        _bol_receiver_bad_min_bytes,
+        3,
+        1,
+        ValueError,
+        "min_tensor_bytes=-5 on rank 1",
+    ),
+    "bol_receiver_allocation_fails": (
+        _bol_receiver_allocation_fails,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "tensor_dict_receiver_allocation_fails": (
+        _tensor_dict_receiver_allocation_fails,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "all_gather_allocation_fails": (
+        _all_gather_allocation_fails,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "all_gather_bad_safe": (_all_gather_bad_safe, 2, 1, TypeError, "safe='yes' on rank 1"),
+    "gather_allocation_fails": (
+        _gather_allocation_fails,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "gather_bad_safe": (_gather_bad_safe, 2, 1, TypeError, "safe= on rank 1 lists 1"),
+    "recv_object_allocation_fails": (
+        _recv_object_allocation_fails,
+        2,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "recv_object_bad_safe": (_recv_object_bad_safe, 2, 1, TypeError, "safe=None on rank 1"),
+    "recv_tensor_dict_allocation_fails": (
+        _recv_tensor_dict_allocation_fails,
+        2,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "staged_receiver_allocation_fails": (
+        _staged_receiver_allocation_fails,
+        4,
+        3,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+}
+
+
+def _run_case(name: str):
+    fn = CASES[name][0]
+    with pdist.distributed(timeout=30) as ctx:
+        start = time.monotonic()
+        try:
+            fn(ctx)
+        except Exception as exc:
+            outcome = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "pdist": isinstance(exc, pdist.PdistError),
+                "type_error": isinstance(exc, TypeError),
+                "value_error": isinstance(exc, ValueError),
+            }
+        else:
+            outcome = {"type": "returned"}
+        outcome["seconds"] = time.monotonic() - start
+        # The group is still usable afterwards: nobody is left inside a collective.
+        outcome["after"] = pdist.all_gather_object(ctx, ctx.rank)
+        return outcome
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_bad_rank_makes_every_rank_raise_quickly(name):
+    """Every participating rank raises the same error type, naming the bad rank, within 10 s."""
+    _, world, bad, expected, text = CASES[name]
+    outcomes = spawn(_run_case, world, name, timeout=120)
+    types = set()
+    for rank in range(world):
+        out = outcomes[rank]
+        assert out["type"] != "returned", (rank, outcomes)
+        assert out["pdist"], (rank, out)
+        assert f"failed on rank {bad}" in out["message"], (rank, out)
+        assert text in out["message"], (rank, out)
+        assert out["seconds"] < 10, (rank, out)
+        if expected is TypeError:
+            assert out["type_error"], (rank, out)
+        if expected is ValueError:
+            assert out["value_error"], (rank, out)
+        types.add(out["type"])
+        assert out["after"] == list(range(world))
+    assert len(types) == 1, outcomes
+
+
+def _split_mismatch():
+    """Senders split buckets over a TP group of 2; their receivers pass no all_gather_group."""
+    with pdist.distributed(timeout=30) as ctx:
+        tp = pdist.new_tp_group(ctx, 2)
+        start = time.monotonic()
+        try:
+            if ctx.rank < 2:
+                pdist.send_tensor_dict(
+                    ctx, _payload_with_buckets(), dst=ctx.rank + 2, all_gather_group=tp
+                )
+            else:
+                pdist.recv_tensor_dict(ctx, src=ctx.rank - 2)
+        except pdist.PdistError as exc:
+            result = (str(exc), isinstance(exc, ValueError))
+        else:
+            result = ("returned", False)
+        return result, time.monotonic() - start
+
+
+def test_all_gather_group_sizes_that_differ_fail_on_both_sides():
+    """all_gather_group sizes that differ across a send raise on both sides, early."""
+    outcomes = spawn(_split_mismatch, 4, timeout=120)
+    for rank, ((message, is_value_error), seconds) in enumerate(outcomes):
+        assert "sent each bucket in 2 part(s)" in message, (rank, message)
+        assert f"failed on rank {rank if rank >= 2 else rank + 2}" in message, (rank, message)
+        assert is_value_error, (rank, message)
+        assert seconds < 10
+
+
+# --------------------------------------------------------------------------- only the bad rank
+
+
+def _tiny_receiver_passes_none():
+    with pdist.distributed(timeout=30) as ctx:
+        start = time.monotonic()
+        try:
+            pdist.broadcast_object_list(ctx, None if ctx.rank == 1 else [{"step": 3}])
+        except pdist.PdistError as exc:
+            result = (f"{type(exc).__name__}: {exc}", isinstance(exc, TypeError))
+        else:
+            result = ("returned", False)
+        return result, time.monotonic() - start
+
+
+def test_tiny_payload_bad_receiver_raises_alone_and_nobody_waits():
+    """Without buckets the bad receiver raises alone; the others return and nobody waits."""
+    outcomes = spawn(_tiny_receiver_passes_none, 3, timeout=120)
+    (source, _), elapsed0 = outcomes[0]
+    (bad, is_type_error), _ = outcomes[1]
+    assert source == "returned"
+    assert outcomes[2][0][0] == "returned"
+    assert "failed on rank 1: TypeError: object_list=None on rank 1" in bad
+    assert is_type_error
+    assert all(seconds < 10 for _, seconds in outcomes)
+    assert elapsed0 < 10
+
+
+def _class_missing_on_receiver():
+    with pdist.distributed(timeout=30) as ctx:
+        module = sys.modules[__name__]
+        objs = [Shipped(torch.ones(BIG))] if ctx.rank == 0 else [None]
+        start = time.monotonic()
+        saved = module.Shipped
+        if ctx.rank == 1:
+            del module.Shipped  # this rank cannot find the class when unpickling
+        try:
+            pdist.broadcast_object_list(ctx, objs)
+        except pdist.PdistError as exc:
+            result = f"PdistError: {exc}"
+        else:
+            result = "returned"
+        finally:
+            module.Shipped = saved
+        return result, time.monotonic() - start
+
+
+def test_class_missing_on_a_receiver_fails_there_after_the_transfer():
+    """A receiver lacking the class raises PdistError after the transfer; nobody waits."""
+    outcomes = spawn(_class_missing_on_receiver, 3, timeout=120)
+    assert outcomes[0][0] == "returned"
+    assert outcomes[2][0] == "returned"
+    assert outcomes[1][0].startswith("PdistError: the received object could not be rebuilt")
+    assert "Shipped" in outcomes[1][0]
+    assert all(seconds < 10 for _, seconds in outcomes)
+
+
+# --------------------------------------------------------------------------- conj and neg
+
+
+def _views():
+    big = torch.randn(BIG, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    return {"conj": big.conj(), "neg": big.conj().imag, "small_conj": big[:4].conj()}
+
+
+def _check_views(out) -> None:
+    expected = _views()
+    for key, t in expected.items():
+        assert torch.equal(out[key], t.resolve_conj().resolve_neg()), key
+
+
+@world_sizes(2)
+def test_conjugate_and_negative_views_travel(ctx):
+    """Complex .conj() and .neg() views of 64 KiB pack without failing on every path."""
+    objs = [_views()] if ctx.rank == 0 else [None]
+    pdist.broadcast_object_list(ctx, objs)
+    _check_views(objs[0])
+    for obj in pdist.all_gather_object(ctx, _views()):
+        _check_views(obj)
+    if ctx.rank == 0:
+        pdist.send_tensor_dict(ctx, _views(), dst=1)
+    else:
+        _check_views(pdist.recv_tensor_dict(ctx, src=0))
+    with pdist.message_queue(ctx.world) as group:
+        got = pdist.broadcast_tensor_dict(group, _views() if ctx.rank == 0 else None)
+        _check_views(got)

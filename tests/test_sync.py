@@ -1,0 +1,161 @@
+"""sync_model_states: one bad rank fails every rank fast; tensors off the group's device.
+
+Each failing case runs on real gloo ranks inside ``distributed(timeout=30)``;
+rank 1 gets a bad argument while the others are correct, and every rank must
+raise the same error type, naming rank 1, within 10 s.
+"""
+
+from __future__ import annotations
+
+import time
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import pdist
+from pdist.testing import spawn
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def _bad_model(ctx):
+    pdist.sync_model_states(ctx, None if ctx.rank == 1 else _net(ctx.rank))
+
+
+def _meta_model(ctx):
+    model = _net(ctx.rank)
+    if ctx.rank == 1:
+        model = model.to("meta")
+    pdist.sync_model_states(ctx, model)
+
+
+def _bad_ignore(ctx):
+    pdist.sync_model_states(ctx, _net(ctx.rank), ignore=5 if ctx.rank == 1 else ())
+
+
+def _ignore_of_ints(ctx):
+    pdist.sync_model_states(ctx, _net(ctx.rank), ignore=[0] if ctx.rank == 1 else ())
+
+
+def _src_out_of_range(ctx):
+    pdist.sync_model_states(ctx, _net(ctx.rank), src=7 if ctx.rank == 1 else 0)
+
+
+def _other_src(ctx):
+    pdist.sync_model_states(ctx, _net(ctx.rank), src=1 if ctx.rank == 1 else 0)
+
+
+def _bad_buffers_flag(ctx):
+    pdist.sync_model_states(ctx, _net(ctx.rank), broadcast_buffers="yes" if ctx.rank == 1 else True)
+
+
+def _staging_fails(ctx):
+    model = _net(ctx.rank)
+    if ctx.rank == 1:
+        failing = mock.patch(
+            "pdist._training.staging", side_effect=RuntimeError("simulated out of memory")
+        )
+        with failing:
+            pdist.sync_model_states(ctx, model)
+    else:
+        pdist.sync_model_states(ctx, model)
+
+
+CASES = {
+    # name: (function, error type on every rank, text in the message)
+    "model_none": (_bad_model, TypeError, "model=None on rank 1 is not an nn.Module"),
+    "meta_model": (
+        _meta_model,
+        ValueError,
+        "model on rank 1 has parameters or buffers on the meta",
+    ),
+    "ignore_int": (_bad_ignore, TypeError, "ignore=5 on rank 1 is not a name"),
+    "ignore_of_ints": (_ignore_of_ints, TypeError, "holds 0, not a name"),
+    "src_out_of_range": (_src_out_of_range, ValueError, "src=7 is outside group 'world'"),
+    "other_src": (_other_src, pdist.RankMismatchError, "rank 1: src=1"),
+    "buffers_flag": (_bad_buffers_flag, TypeError, "broadcast_buffers='yes' on rank 1"),
+    "staging_fails": (_staging_fails, RuntimeError, "simulated out of memory"),
+}
+
+
+def _run_case(name: str):
+    fn = CASES[name][0]
+    with pdist.distributed(timeout=30) as ctx:
+        start = time.monotonic()
+        try:
+            fn(ctx)
+        except Exception as exc:
+            outcome = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "pdist": isinstance(exc, pdist.PdistError),
+                "expected": isinstance(exc, CASES[name][1]),
+            }
+        else:
+            outcome = {"type": "returned"}
+        outcome["seconds"] = time.monotonic() - start
+        outcome["after"] = pdist.all_gather_object(ctx, ctx.rank)
+        return outcome
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_bad_rank_makes_every_rank_raise_quickly(name):
+    """Every rank raises the same error type, naming rank 1 and the fix, within 10 s."""
+    _, _, text = CASES[name]
+    outcomes = spawn(_run_case, 3, name, timeout=120)
+    for rank, out in enumerate(outcomes):
+        assert out["type"] != "returned", (rank, outcomes)
+        assert out["pdist"], (rank, out)
+        assert out["expected"], (rank, out)
+        assert text in out["message"], (rank, out)
+        if name != "other_src":
+            assert "failed on rank 1" in out["message"], (rank, out)
+        assert out["seconds"] < 10, (rank, out)
+        assert out["after"] == [0, 1, 2]
+    assert len({o["type"] for o in outcomes}) == 1, outcomes
+
+
+_LAZY_READY: list[bool] = []  # per worker process: the lazy backend initializes once
+
+
+def _lazy_sync(mixed: bool):
+    import torch._lazy
+    import torch._lazy.ts_backend
+
+    if not _LAZY_READY:
+        torch._lazy.ts_backend.init()
+        _LAZY_READY.append(True)
+    with pdist.distributed(timeout=30) as ctx:
+        model = _net(ctx.rank)
+        if not (mixed and ctx.rank == 0):
+            model = model.to("lazy")
+        weight = model[0].weight
+        try:
+            pdist.sync_model_states(ctx, model)
+        except pdist.RankMismatchError as exc:
+            return str(exc)
+        assert model[0].weight is weight  # written back, not replaced
+        return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def test_tensors_off_the_group_device_are_written_back():
+    """A model on another device than a CPU group's (torch's lazy device) is updated in place."""
+    states = spawn(_lazy_sync, 2, False, timeout=120)
+    expected = _net(0).state_dict()
+    for rank, state in enumerate(states):
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), (rank, key)
+
+
+def test_a_device_type_difference_is_a_mismatch():
+    """The fingerprint carries the device type: cpu on one rank, lazy on another, refused."""
+    messages = spawn(_lazy_sync, 2, True, timeout=120)
+    for message in messages:
+        assert "differ from those of src rank 0" in message
+        assert "on cpu vs" in message
+        assert "on lazy" in message
