@@ -262,12 +262,28 @@ def _one_bad_rank(case: str):
         return (*outcome, in_step)
 
 
+# A bad argument stays a TypeError/ValueError on every rank (a RemoteError subclass).
 ONE_BAD_RANK = {
-    "None": r"failed on rank 1: TypeError: batches must be a list .*got None; pass \[\] on a rank",
-    "meta": r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is on meta; .* \.cpu\(\)",
-    "sparse": r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is a torch.sparse_coo tensor",
-    "zero samples, others on meta": r"failed on rank 0: ValueError: leaf \['x'\] .* on meta",
-    "zero samples, allocation fails": r"failed on rank 0: RuntimeError: out of memory",
+    "None": (
+        "RemoteTypeError",
+        r"failed on rank 1: TypeError: batches must be a list .*got None; pass \[\] on a rank",
+    ),
+    "meta": (
+        "RemoteValueError",
+        r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is on meta; .* \.cpu\(\)",
+    ),
+    "sparse": (
+        "RemoteValueError",
+        r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is a torch.sparse_coo tensor",
+    ),
+    "zero samples, others on meta": (
+        "RemoteValueError",
+        r"failed on rank 0: ValueError: leaf \['x'\] .* on meta",
+    ),
+    "zero samples, allocation fails": (
+        "RemoteError",
+        r"failed on rank 0: RuntimeError: out of memory",
+    ),
 }
 
 
@@ -275,10 +291,11 @@ ONE_BAD_RANK = {
 def test_one_bad_rank_fails_every_rank_within_seconds(case):
     """One rank's bad input (or failed allocation) raises the same error on every rank, quickly."""
     results = pdist.testing.spawn(_one_bad_rank, 3, case)
+    kind, pattern = ONE_BAD_RANK[case]
     kinds = {kind for kind, _, _, _ in results}
     messages = {text for _, text, _, _ in results}
-    assert kinds == {"RemoteError"}, results
+    assert kinds == {kind}, results
     assert len(messages) == 1, results
-    assert re.search(ONE_BAD_RANK[case], messages.pop()), results
+    assert re.search(pattern, messages.pop()), results
     assert all(seconds < 10 for _, _, seconds, _ in results), results
     assert all(in_step for *_, in_step in results)

@@ -239,7 +239,7 @@ SET_UP = {
     ),
     "chunks differs": ("RankMismatchError", r"chunks differs across ranks: 6 on ranks \[0, 1\]"),
     "chunk_bytes=0": (
-        "RemoteError",
+        "RemoteValueError",
         r"failed on rank 1: ValueError: chunk_bytes=0 must be a positive int; pass the same",
     ),
     "writer cannot reserve": (
