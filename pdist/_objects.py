@@ -66,6 +66,30 @@ def _safe_or_error(safe: object, rank: int) -> tuple[Safe, BaseException | None]
         return False, exc
 
 
+def _encode_for_gather(
+    g: Group, obj: Any, safe: object
+) -> tuple[Safe, _payload.Encoded | None, BaseException | None]:
+    """This rank's part of a gather: the checked ``safe``, its encoding, or the local failure.
+
+    Each rank's tensors go in one bucket per transport (aligned, so that the
+    gathered regions can be cut into ranks' buckets).
+    """
+    checked, error = _safe_or_error(safe, g.rank)
+    if error is not None:
+        return checked, None, error
+    try:
+        encoded = _payload.encode(
+            obj,
+            g.device,
+            min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES,
+            bucket_bytes=_WHOLE,
+            pad_to=_payload.ALIGN,
+        )
+    except Exception as exc:
+        return checked, None, exc
+    return checked, encoded, None
+
+
 def broadcast_object(
     group: Group | DistContext, obj: Any = None, src: int = 0, *, safe: Safe = False
 ) -> Any:
@@ -188,19 +212,7 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
     """
     g = as_group(group)
     what = "all_gather_object"
-    safe, error = _safe_or_error(safe, g.rank)
-    encoded = None
-    if error is None:
-        try:
-            encoded = _payload.encode(
-                obj,
-                g.device,
-                min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES,
-                bucket_bytes=_WHOLE,
-                pad_to=_payload.ALIGN,
-            )
-        except Exception as exc:
-            error = exc
+    safe, encoded, error = _encode_for_gather(g, obj, safe)
     if g.world_size == 1:
         if error is not None:
             raise error
@@ -315,19 +327,7 @@ def gather_object(
     g = as_group(group)
     what = "gather_object"
     dst_global = global_rank_of(g, dst, "dst")
-    safe, error = _safe_or_error(safe, g.rank)
-    encoded = None
-    if error is None:
-        try:
-            encoded = _payload.encode(
-                obj,
-                g.device,
-                min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES,
-                bucket_bytes=_WHOLE,
-                pad_to=_payload.ALIGN,
-            )
-        except Exception as exc:
-            error = exc
+    safe, encoded, error = _encode_for_gather(g, obj, safe)
     if g.world_size == 1:
         if error is not None:
             raise error
