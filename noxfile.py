@@ -1,4 +1,4 @@
-"""Developer sessions: tests, lint, typecheck, docs, bench, examples."""
+"""Developer sessions: tests, lint, typecheck, docs, bench, scale, examples, gpu."""
 
 from __future__ import annotations
 
@@ -81,3 +81,18 @@ def examples(session: nox.Session) -> None:
             f"examples/{name}.py",
             env={"OMP_NUM_THREADS": "1"},
         )
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """On a CUDA machine: the CUDA-marked tests, then a 1-rank NCCL bench (quick)."""
+    _install(session, "test")
+    session.run("pytest", "-m", "cuda", "-ra", *session.posargs)
+    session.run("python", "-m", "pdist", "bench", "--quick", "--nproc", "1")
+
+
+@nox.session
+def scale(session: nox.Session) -> None:
+    """Start-up cost on simulated worlds of 512..16384 ranks, next to init_device_mesh."""
+    _install(session)
+    session.run("python", "-m", "pdist", "bench", "--simulate-world", "default", *session.posargs)
