@@ -1,7 +1,8 @@
 """``python -m pdist bench``: pdist's collectives timed against baselines in the same run.
 
 Every case is timed as the median of repeated batches after warm-up, pdist
-and its baselines interleaved batch by batch so that drift hits them alike;
+and its baselines interleaved batch by batch (in a rotating order) so that
+drift hits them alike;
 a rank's figure is the slowest rank's median. Ratios are pdist / baseline.
 The device is synchronized before every timer read, so that on an accelerator
 a batch's time is the work it did, not the time to enqueue it.
@@ -99,10 +100,12 @@ def _measure(
             fn()
     synchronize()
     samples: dict[str, list[float]] = collections.defaultdict(list)
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for repeat in range(repeats):
+        # The order rotates, so that no function always runs first after the previous case.
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             dist.barrier(group=cpu)
-            samples[name].append(_batch(fn, inner, synchronize))
+            samples[name].append(_batch(fns[name], inner, synchronize))
     medians = torch.tensor([statistics.median(samples[n]) for n in fns], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=cpu)
     return dict(zip(fns, medians.tolist(), strict=True))

@@ -44,6 +44,8 @@ def _sweep_setup(op: str, numel: int) -> Callable[[DistContext, contextlib.ExitS
             return {
                 "pdist": lambda: all_gather(ctx, x, dim=0),
                 "torch": lambda: all_gather_into(flat, x, pg),
+                # What an out-of-place result pays too: a fresh output every call.
+                "torch_into_fresh": lambda: all_gather_into(torch.empty_like(flat), x, pg),
                 "torch_list": lambda: dist.all_gather(outs, x, group=pg),
             }
         x, buf = torch.ones(numel, device=dev), torch.ones(numel, device=dev)
