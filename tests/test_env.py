@@ -195,6 +195,7 @@ BAD_SETTINGS = [
     ({"startup_timeout": "5"}, None, TypeError, r"startup_timeout='5' must be a number"),
     ({"rank": -1}, None, ValueError, r"rank=-1 must be a non-negative int"),
     ({"rank": 7}, None, ValueError, r"rank=7 must be below world_size=4"),
+    ({"world_size": 0}, None, ValueError, r"world_size=0 must be a positive int"),
 ]
 
 
@@ -210,6 +211,7 @@ def test_startup_timeout_sources():
     assert _settings(startup_timeout=12).startup_timeout == 12.0
     assert _settings(startup_timeout=timedelta(minutes=2)).startup_timeout == 120.0
     assert _settings(startup_timeout=0).startup_timeout is None
+    assert _settings(startup_timeout=timedelta(0)).startup_timeout is None
     env = {**TORCHRUN, "PDIST_WORLD_COMM_TIMEOUT_SEC": "0"}
     assert _settings(env).startup_timeout is None
     env = {**TORCHRUN, "PDIST_WORLD_COMM_TIMEOUT_SEC": "42"}
