@@ -450,6 +450,16 @@ def resolve_settings(
         _check_rank_arg(name, value)
     launch = detect_launch(env)
     if adopted is not None:
+        for name, value, actual in (
+            ("rank", rank, adopted.rank),
+            ("world_size", world_size, adopted.world_size),
+        ):
+            if value is not None and value != actual:
+                msg = (
+                    f"{name}={value} contradicts the initialized default process group "
+                    f"({name} {actual}), which distributed() adopts as it is; drop {name}="
+                )
+                raise ValueError(msg)
         launch = attrs.evolve(launch, rank=adopted.rank, world_size=adopted.world_size)
     launch = attrs.evolve(
         launch,

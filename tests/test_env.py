@@ -225,6 +225,18 @@ def test_adopted_world_wins_over_the_launcher():
     assert s.layout.dp == 4
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"world_size": 4}, "world_size=4"), ({"rank": 0}, "rank=0")]
+)
+def test_an_adopted_world_refuses_other_ranks(kwargs, match):
+    """rank=/world_size= that contradict the adopted default group are refused, not obeyed."""
+    adopted = Adopted(rank=1, world_size=2, backend="gloo")
+    with pytest.raises(ValueError, match=rf"{match} contradicts the initialized default"):
+        _settings(adopted=adopted, **kwargs)
+    s = _settings(adopted=adopted, rank=1, world_size=2)  # agreeing values are fine
+    assert (s.launch.rank, s.launch.world_size) == (1, 2)
+
+
 def test_subgroup_timeout_from_the_environment():
     """PDIST_SUBGROUP_TIMEOUT_SEC overrides the subgroups' timeout only."""
     env = {**TORCHRUN, "PDIST_SUBGROUP_TIMEOUT_SEC": "7"}
