@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, PrefixStore, Store
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
 from . import _env, _subgroups, _topology
 from ._errors import PdistError
@@ -105,6 +105,11 @@ class _Distributed:
         deadline.arm()
         try:
             ctx = self._build(lifetime, deadline)
+        except Exception as exc:
+            # Past the deadline, a failure is most likely a peer that gave up at its own
+            # deadline (rank 0 taking the store with it): end as the watchdog would.
+            deadline.abort_if_expired(exc)
+            raise
         finally:
             took = deadline.disarm()
         logger.info("pdist: start-up of %d ranks took %.2fs", launch.world_size, took)
@@ -135,16 +140,30 @@ class _Distributed:
         if launch.launcher == "none":
             return HashStore()
         deadline.stage = f"connecting to the rendezvous store at {self._rendezvous()}"
-        from torch.distributed.rendezvous import rendezvous
-
-        url = "env://" if launch.launcher == "torchrun" else f"tcp://{self._rendezvous()}"
-        found = next(
-            rendezvous(
-                url, rank=launch.rank, world_size=launch.world_size, timeout=settings.timeout
+        addr, port = launch.master_addr, launch.master_port
+        if addr is None or port is None:
+            unset = "MASTER_ADDR" if addr is None else "MASTER_PORT"
+            msg = (
+                f"rank {launch.rank}: {unset} is not set, so the {launch.launcher} launch of "
+                f"{launch.world_size} ranks has no rendezvous store; set MASTER_ADDR and "
+                "MASTER_PORT, or pass store="
             )
+            raise ValueError(msg)
+        # Rank 0 hosts the store unless torchrun's agent does (as torch's env:// decides).
+        # It must not wait for every rank to connect, TCPStore's default: a late rank would
+        # keep it from checking in, and it alone would report the store as unreachable.
+        hosts = launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        if hosts:
+            deadline.hosts_store()
+        return TCPStore(
+            addr,
+            port,
+            launch.world_size,
+            is_master=hosts,
+            timeout=settings.timeout,
+            wait_for_workers=False,
+            multi_tenant=hosts,
         )
-        rendezvous_store: Store = found[0]
-        return rendezvous_store
 
     def _init_world(self, lifetime: Lifetime, store: Store, deadline: Deadline) -> None:
         settings = self._settings
@@ -264,18 +283,20 @@ def distributed(
     called, before any collective, identically on every rank. On entry it binds
     the device, opens the rendezvous store and checks in, initializes the
     default group with an eager communicator on an accelerator (or adopts one
-    that is already initialized and leaves it alone), builds the ``tp``,
-    ``sp``, ``dp`` and ``dp_sp`` groups (one communicator call per axis),
-    finds the ranks of each host (``node``), and on CUDA pins the CPU affinity
-    of the GPU. All of that runs under ``startup_timeout``: a rank that never
-    arrives or a communicator that never forms ends every waiting rank with
-    exit code 93 (:data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`), naming its
-    stage and the ranks that never checked in; the deadline never covers the
-    block itself. On exit it collects garbage (so modules holding groups in
-    reference cycles go first), destroys exactly the process groups it
-    created, with no collective, also when the block raises, and restores the
-    current device and CPU affinity it changed. The returned object can be
-    entered once.
+    that is already initialized and leaves it alone), checks that every rank
+    asked for the same ``tp`` and ``sp``, builds the ``tp``, ``sp``, ``dp`` and
+    ``dp_sp`` groups (one communicator call per axis) and finds the ranks of
+    each host (``node``). All of that runs under ``startup_timeout``: a rank
+    that never arrives or a communicator that never forms ends every waiting
+    rank with exit code 93 (:data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`),
+    naming its stage and the ranks that never checked in, and so does a
+    start-up that fails after its deadline passed (a peer that gave up took
+    the store along). The deadline never covers the block itself. Then, on
+    CUDA, it pins the CPU affinity of the GPU. On exit it collects garbage (so
+    modules holding groups in reference cycles go first), destroys exactly the
+    process groups it created, with no collective, also when the block raises,
+    and restores the current device and CPU affinity it changed. The returned
+    object can be entered once.
 
     .. note:: Every rank of the job must enter it.
 
@@ -301,6 +322,8 @@ def distributed(
 
     Raises:
         ValueError: Bad sizes, backend, device or durations (see the message for the fix).
+        RankMismatchError: On entry, when ranks passed different ``tp`` or ``sp``
+            (on every rank).
         PdistError: Entered twice, or the hosts hold different numbers of ranks
             (on every rank).
     """

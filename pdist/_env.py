@@ -32,6 +32,7 @@ __all__ = [
     "Adopted",
     "Launch",
     "Settings",
+    "deadline_seconds",
     "detect_launch",
     "env_backend",
     "env_seconds",
@@ -293,7 +294,13 @@ class Settings:
 
 
 def _check_rank_arg(name: str, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    if value is None:
+        return
+    if name == "world_size":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            msg = f"world_size={value!r} must be a positive int (the number of ranks in the job)"
+            raise ValueError(msg)
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
         msg = f"{name}={value!r} must be a non-negative int"
         raise ValueError(msg)
 
@@ -378,12 +385,23 @@ def _resolve_backend(
     return backend
 
 
-def _startup_seconds(value: float | timedelta | None, environ: Mapping[str, str]) -> float | None:
+def deadline_seconds(
+    value: float | timedelta | None, name: str, environ: Mapping[str, str] | None = None
+) -> float | None:
+    """A deadline argument as seconds, or None (forever).
+
+    None reads :func:`world_comm_timeout`; ``0`` (or a zero ``timedelta``) waits forever.
+
+    Raises:
+        TypeError: ``value`` is neither a number nor a ``timedelta``.
+        ValueError: ``value`` is negative or not finite.
+    """
     if value is None:
         return world_comm_timeout(environ)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+    zero = timedelta(0) if isinstance(value, timedelta) else 0
+    if not isinstance(value, bool) and isinstance(value, (int, float, timedelta)) and value == zero:
         return None
-    return to_seconds(value, "startup_timeout")
+    return to_seconds(value, name)
 
 
 def resolve_settings(
@@ -432,6 +450,16 @@ def resolve_settings(
         _check_rank_arg(name, value)
     launch = detect_launch(env)
     if adopted is not None:
+        for name, value, actual in (
+            ("rank", rank, adopted.rank),
+            ("world_size", world_size, adopted.world_size),
+        ):
+            if value is not None and value != actual:
+                msg = (
+                    f"{name}={value} contradicts the initialized default process group "
+                    f"({name} {actual}), which distributed() adopts as it is; drop {name}="
+                )
+                raise ValueError(msg)
         launch = attrs.evolve(launch, rank=adopted.rank, world_size=adopted.world_size)
     launch = attrs.evolve(
         launch,
@@ -467,7 +495,7 @@ def resolve_settings(
         device=resolved_device,
         timeout=timedelta(seconds=seconds),
         subgroup_timeout=timedelta(seconds=seconds if sub_seconds is None else sub_seconds),
-        startup_timeout=_startup_seconds(startup_timeout, env),
+        startup_timeout=deadline_seconds(startup_timeout, "startup_timeout", env),
         cpu_affinity=bool(cpu_affinity),
         adopt=adopted is not None,
     )

@@ -101,7 +101,9 @@ class Deadline:
 
     ``stage`` names what the rank is doing (it appears in the message);
     :meth:`check_in` records this rank in the store, so that on expiry every
-    waiting rank can name the ranks that never arrived.
+    waiting rank can name the ranks that never arrived. A rank that hosts the
+    store sets :meth:`hosts_store`: on expiry it keeps serving a little longer,
+    so that the other ranks can still read the check-ins.
     """
 
     def __init__(
@@ -124,8 +126,15 @@ class Deadline:
         self._store: Store | None = None
         self._keys: list[str] = []
         self._done = threading.Event()
+        self._aborting = threading.Lock()
         self._thread: threading.Thread | None = None
         self._start = time.monotonic()
+        self._linger = 0.0
+
+    def hosts_store(self) -> None:
+        """Mark this rank as the store's host: on expiry it exits after the others read it."""
+        if self.seconds is not None:
+            self._linger = grace(self.seconds) + _STORE_READ_SECONDS
 
     def arm(self) -> None:
         """Start the watchdog (nothing happens without a finite deadline)."""
@@ -174,6 +183,19 @@ class Deadline:
             )
         return took
 
+    def abort_if_expired(self, error: BaseException) -> None:
+        """End the process as on expiry when ``error`` came after the deadline passed.
+
+        A peer that gave up at its own deadline makes this rank's call fail a
+        moment before its own watchdog fires (the rank hosting the store takes
+        it along); that rank must still end with exit code 93, not a traceback.
+        Returns (the caller re-raises) before the deadline or without one.
+        """
+        if self.seconds is None or self._done.is_set():
+            return
+        if time.monotonic() - self._start > self.seconds:
+            self._abort(f" ({type(error).__name__}: {str(error)[:200]})")
+
     def _watch(self, limit: float) -> None:
         if not self._done.wait(limit):
             self._abort()
@@ -195,11 +217,14 @@ class Deadline:
         more = len(missing) - _MISSING_SHOWN
         return shown + (f" and {more} more ({len(missing)} in all)" if more > 0 else "")
 
-    def _abort(self) -> None:
+    def _abort(self, failure: str = "") -> None:
+        if not self._aborting.acquire(blocking=False):
+            while True:  # the other thread is ending the process
+                time.sleep(60)
         host = socket.gethostname()
         message = (
             f"pdist: rank {self.rank} on {host}: {self.what} did not finish within the "
-            f"{self.seconds:g}s deadline while {self.stage}; ranks that never checked in: "
+            f"{self.seconds:g}s deadline while {self.stage}{failure}; ranks that never checked in: "
             f"{self._describe_missing()}. {self.hint}, or find out why those ranks are late. "
             f"Exiting with code {WORLD_COMM_TIMEOUT_EXIT_CODE}."
         )
@@ -210,15 +235,9 @@ class Deadline:
         for handler in logging.getLogger().handlers + logger.handlers:
             handler.flush()
         sys.stderr.flush()
+        # The others' watchdogs fire about now too (within their start-up skew).
+        time.sleep(self._linger)
         os._exit(WORLD_COMM_TIMEOUT_EXIT_CODE)
-
-
-def _resolve(timeout: float | timedelta | None) -> float | None:
-    if timeout is None:
-        return world_comm_timeout()
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout == 0:
-        return None
-    return _env.to_seconds(timeout, "timeout")
 
 
 def probe_world(ctx: DistContext) -> None:
@@ -268,7 +287,7 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
     Raises:
         PdistError: The probe's sum is wrong (a broken communicator).
     """
-    seconds = _resolve(timeout)
+    seconds = _env.deadline_seconds(timeout, "timeout")
     deadline = Deadline(
         seconds,
         rank=ctx.rank,
@@ -277,12 +296,13 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
         hint="Raise the deadline with world_comm_guard(ctx, timeout=...) or "
         "PDIST_WORLD_COMM_TIMEOUT_SEC (0 waits forever)",
     )
-    store = default_store()
-    if store is not None:
-        deadline.check_in(store, "guard")
-    deadline.stage = "probing the world communicator"
-    deadline.arm()
+    deadline.arm()  # before the check-in: a store that never answers is a stall too
     try:
+        store = default_store()
+        if store is not None:
+            deadline.stage = "checking in with the rendezvous store"
+            deadline.check_in(store, "guard")
+        deadline.stage = "probing the world communicator"
         start = time.monotonic()
         probe_world(ctx)
         logger.info(

@@ -61,12 +61,17 @@ _SELF_CPU_BACKENDS = ("gloo", "fake")
 
 @attrs.frozen
 class _Built:
-    """A partition as built in one block: the caller's block and its two group keys."""
+    """A partition as built in one block: the caller's block, its two group keys, its timeout."""
 
     ranks: tuple[int, ...]
     device_key: int
     cpu_key: int
     member: bool  # False: the caller is in no block and holds a group of its own
+    timeout: timedelta  # the communicators' own, also when a later request asked for another
+
+
+# Lifetime.cache key of the timeout that groups built after start-up get.
+_SUBGROUP_TIMEOUT = "subgroup_timeout"
 
 
 @contextlib.contextmanager
@@ -132,7 +137,7 @@ def build_world(
         device_key=device_key,
         cpu_key=cpu_key,
     )
-    lifetime.cache[("partition", (ranks,))] = _Built(ranks, device_key, cpu_key, True)
+    lifetime.cache[("partition", (ranks,))] = _Built(ranks, device_key, cpu_key, True, timeout)
     return world
 
 
@@ -200,7 +205,8 @@ def build_partition(
     """The caller's Group of a partition of the world into ``blocks``; None if it is in none.
 
     ``blocks`` are disjoint lists of global ranks, the same on every rank (not
-    checked here). A partition already built in this block is reused.
+    checked here). A partition already built in this block is reused, and the
+    Group then carries the timeout its communicators were built with.
 
     .. note:: Every rank of the world must call it, in the same order as other group builds.
     """
@@ -215,7 +221,7 @@ def build_partition(
         device_pg, cpu_pg = _create(world, full, mine, name, timeout)
         device_key = lifetime.add(device_pg, created=True)
         cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
-        built = _Built(mine, device_key, cpu_key, world.rank not in extra)
+        built = _Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
         lifetime.cache[key] = built
     assert isinstance(built, _Built)
     if not built.member:
@@ -226,7 +232,7 @@ def build_partition(
         rank=world.rank,
         rank_in_group=built.ranks.index(world.rank),
         device=world.device,
-        timeout=timeout,
+        timeout=built.timeout,
         lifetime=lifetime,
         device_key=built.device_key,
         cpu_key=built.cpu_key,
@@ -243,8 +249,17 @@ def _require(group: Group | None, name: str) -> Group:
 def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str, Group]:
     """The ``tp``, ``sp``, ``dp`` and ``dp_sp`` groups of the caller (one build per partition).
 
+    Checks first, with one small all-reduce, that every rank asked for the same
+    sizes: ranks that build different partitions would otherwise each get a
+    group the others never join.
+
     .. note:: Every rank of the world must call it.
+
+    Raises:
+        RankMismatchError: Ranks passed different ``tp`` or ``sp`` (on every rank).
     """
+    _agreed_or_raise(world, "distributed()", f"tp={layout.tp}, sp={layout.sp}", None)
+    world.lifetime.cache[_SUBGROUP_TIMEOUT] = timeout
     return {
         axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
         for axis in ("tp", "sp", "dp", "dp_sp")
@@ -305,16 +320,27 @@ def _agreed_or_raise(world: Group, what: str, summary: str, error: Exception | N
         raise type(error)(f"{what}: {error}")
 
 
-def _consecutive(ctx: DistContext, size: int, name: str) -> Group:
+def _subgroup_timeout(ctx: DistContext) -> timedelta:
+    """The timeout of groups built after start-up: the subgroups', not a reused world's."""
+    timeout = ctx.world.lifetime.cache.get(_SUBGROUP_TIMEOUT, ctx.tp.timeout)
+    assert isinstance(timeout, timedelta)
+    return timeout
+
+
+def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) -> Group:
     _check_ctx(ctx)
     ctx.world.lifetime.check_open()
     try:
+        if name is not None and (not isinstance(name, str) or not name):
+            msg = f"name={name!r} must be None or a non-empty str"
+            raise TypeError(msg)
         blocks, error = consecutive_groups(ctx.world_size, size, name="size"), None
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
-    _agreed_or_raise(ctx.world, f"new group {name!r}", f"size={size!r}", error)
-    timeout = ctx.tp.timeout
-    return _require(build_partition(ctx.world, name, blocks, timeout=timeout), name)
+    label = name if isinstance(name, str) and name else default
+    _agreed_or_raise(ctx.world, f"new group {label!r}", f"size={size!r}", error)
+    timeout = _subgroup_timeout(ctx)
+    return _require(build_partition(ctx.world, label, blocks, timeout=timeout), label)
 
 
 def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
@@ -332,11 +358,12 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
         The group holding the caller (ranks ``size * (rank // size)`` onwards).
 
     Raises:
+        TypeError: ``name`` is not None or a non-empty str (on every rank).
         ValueError: ``size`` does not divide the world size (on every rank).
         RankMismatchError: Ranks passed different sizes (on every rank).
         PdistError: The context is closed.
     """
-    return _consecutive(ctx, size, name or f"tp{size}")
+    return _consecutive(ctx, size, name, f"tp{size}")
 
 
 def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
@@ -353,11 +380,12 @@ def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
         The group holding the caller.
 
     Raises:
+        TypeError: ``name`` is not None or a non-empty str (on every rank).
         ValueError: ``size`` does not divide the world size (on every rank).
         RankMismatchError: Ranks passed different sizes (on every rank).
         PdistError: The context is closed.
     """
-    return _consecutive(ctx, size, name or f"sp{size}")
+    return _consecutive(ctx, size, name, f"sp{size}")
 
 
 def _check_rank_lists(rank_lists: object, world_size: int) -> Blocks:
@@ -427,23 +455,25 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
         The group holding the caller, or None.
 
     Raises:
-        TypeError: ``rank_lists`` is not a list of lists of ints, or ``name`` is not a str.
+        TypeError: ``rank_lists`` is not a list of lists of ints, or ``name`` is not a
+            non-empty str (on every rank).
         ValueError: The lists overlap, are empty, are not increasing or hold ranks
             outside the world (on every rank).
-        RankMismatchError: Ranks passed different lists (on every rank).
+        RankMismatchError: Ranks passed different lists, or only some ranks passed
+            bad ones (on every rank).
         PdistError: The context is closed.
     """
     _check_ctx(ctx)
-    if not isinstance(name, str) or not name:
-        msg = f"name={name!r} must be a non-empty str"
-        raise TypeError(msg)
     ctx.world.lifetime.check_open()
     try:
+        if not isinstance(name, str) or not name:  # checked with the others: fail together
+            msg = f"name={name!r} must be a non-empty str"
+            raise TypeError(msg)
         blocks, error = _check_rank_lists(rank_lists, ctx.world_size), None
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
     _agreed_or_raise(ctx.world, f"new_group(name={name!r})", repr(blocks), error)
-    return build_partition(ctx.world, name, blocks, timeout=ctx.tp.timeout)
+    return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx))
 
 
 def _mesh_axes(axes: object) -> tuple[str, ...]:
@@ -470,6 +500,35 @@ def _mesh_axes(axes: object) -> tuple[str, ...]:
     return axes
 
 
+def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:
+    """The ``(dp, sp, tp)`` layout of ``ctx``, checked to hold its groups on the ``names`` axes.
+
+    A context whose ``tp`` came from :func:`patch_tp` may hold groups that are
+    no axes of one mesh (FastVideo's tp and sp: two partitions into the same
+    blocks); a mesh built from them would pair each dim with the wrong group.
+    """
+    fix = (
+        "the context's groups do not form one (dp, sp, tp) mesh (is ctx.tp a group from "
+        "patch_tp?); build multi-axis meshes from the context distributed() yielded, or "
+        "ask for one axis"
+    )
+    try:
+        layout = make_layout(ctx.world_size, tp=ctx.tp.world_size, sp=ctx.sp.world_size)
+    except ValueError as exc:
+        msg = f"device_mesh(axes={names!r}) on rank {ctx.rank}: {exc}; {fix}"
+        raise ValueError(msg) from None
+    for axis in names:
+        ranks, expected = getattr(ctx, axis).ranks, layout.group_of(axis, ctx.rank)
+        if ranks != expected:
+            msg = (
+                f"device_mesh(axes={names!r}) on rank {ctx.rank}: ctx.{axis} holds ranks "
+                f"{ranks}, but the mesh of dp={layout.dp}, sp={layout.sp}, tp={layout.tp} "
+                f"puts ranks {expected} on that axis; {fix}"
+            )
+            raise ValueError(msg)
+    return layout
+
+
 def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
     """A ``DeviceMesh`` over the context's own groups: the full ``(dp, sp, tp)`` mesh or a sub-mesh.
 
@@ -488,17 +547,31 @@ def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
         ctx: The context.
         axes: None, or axis names from ``("dp", "sp", "dp_sp", "tp")``, slowest first.
 
+    A one-axis mesh is that group's ranks, for any context. A mesh of several
+    axes needs the context's groups to be the axes of one ``(dp, sp, tp)``
+    layout, as ``distributed()`` makes them; a context whose ``tp`` was
+    replaced by :func:`patch_tp` with another partition (FastVideo's layout)
+    is refused rather than given a mesh whose dims hold the wrong groups.
+
     Raises:
         TypeError: ``axes`` is not None or a tuple.
         ValueError: An unknown or repeated axis, ``dp_sp`` with ``dp`` or ``sp``,
-            or axes out of order.
+            axes out of order, or (several axes) groups that form no such mesh.
         PdistError: The context is closed.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
     _check_ctx(ctx)
     names = _mesh_axes(axes)
-    layout = make_layout(ctx.world_size, tp=ctx.tp.world_size, sp=ctx.sp.world_size)
+    if len(names) == 1:  # one axis: its group is the mesh, whatever the other groups are
+        group = getattr(ctx, names[0])
+        return DeviceMesh.from_group(
+            group.device_group,
+            ctx.device.type,
+            mesh=torch.tensor(group.ranks, dtype=torch.int),
+            mesh_dim_names=names,
+        )
+    layout = _mesh_layout(ctx, names)
     grid = torch.arange(ctx.world_size, dtype=torch.int).view(layout.dp, layout.sp, layout.tp)
     d, s, t = layout.coords(ctx.rank)
     if "dp_sp" in names:

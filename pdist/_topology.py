@@ -383,7 +383,11 @@ def apply_gpu_affinity(device: torch.device) -> frozenset[int] | None:
         return None
     try:
         cpus = gpu_cpu_affinity(device.index)
-    except (PdistError, ValueError) as exc:
+        before = frozenset(os.sched_getaffinity(0))
+        # The kernel may refuse the set (offline CPUs, a cpuset); this rank alone would
+        # then fail after the others entered the block, so it is a warning like NVML's.
+        set_cpu_affinity(cpus)
+    except (PdistError, ValueError, OSError) as exc:
         logger.warning(
             "pdist: not pinning CPU affinity for %s: %s (pass cpu_affinity=False to "
             "distributed() to skip this)",
@@ -391,6 +395,4 @@ def apply_gpu_affinity(device: torch.device) -> frozenset[int] | None:
             exc,
         )
         return None
-    before = frozenset(os.sched_getaffinity(0))
-    set_cpu_affinity(cpus)
     return before

@@ -175,7 +175,16 @@ def grad_sync(
         enabled: Whether gradients are synchronized in the block's backward passes.
         defer_reduce_scatter: FSDP2 only: also defer the reduce-scatter, not just
             HSDP's all-reduce (no gradient communication at all, unsharded gradients).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (when the block is entered).
     """
+    if not isinstance(model, nn.Module):
+        msg = (
+            f"grad_sync: model must be an nn.Module (the model wrap_ddp returned, the "
+            f"module you called fully_shard on, or a plain module), got a {type(model).__name__}"
+        )
+        raise TypeError(msg)
     fsdp_type = _fsdp_module_type()
     restore: list[Any] = []
     found = False

@@ -213,15 +213,20 @@ def test_explicit_store_rank_and_world_size():
     assert spawn(_set_rank_var_and_run, 2, store.port, timeout=60) == [1, 1]
 
 
-def _timeouts() -> tuple[float, float]:
+def _timeouts() -> tuple[float, ...]:
     os.environ["PDIST_SUBGROUP_TIMEOUT_SEC"] = "7"
     with pdist.distributed(timeout=timedelta(seconds=42)) as ctx:
-        return ctx.world.timeout.total_seconds(), ctx.tp.timeout.total_seconds()
+        groups = (ctx.world, ctx.tp, ctx.dp, pdist.new_tp_group(ctx, 2), pdist.new_sp_group(ctx, 1))
+        return tuple(g.timeout.total_seconds() for g in groups)
 
 
 def test_timeouts_reach_world_and_subgroups():
-    """timeout= sets the world's timeout; PDIST_SUBGROUP_TIMEOUT_SEC the subgroups'."""
-    assert spawn(_timeouts, 2, timeout=60) == [(42.0, 7.0), (42.0, 7.0)]
+    """timeout= sets the world's timeout; PDIST_SUBGROUP_TIMEOUT_SEC the subgroups'.
+
+    A subgroup spanning the world (dp with tp = sp = 1) is the world's communicator
+    and says so: its timeout is the world's.
+    """
+    assert spawn(_timeouts, 2, timeout=60) == [(42.0, 7.0, 42.0, 42.0, 7.0)] * 2
 
 
 @world_sizes(4)

@@ -195,6 +195,7 @@ BAD_SETTINGS = [
     ({"startup_timeout": "5"}, None, TypeError, r"startup_timeout='5' must be a number"),
     ({"rank": -1}, None, ValueError, r"rank=-1 must be a non-negative int"),
     ({"rank": 7}, None, ValueError, r"rank=7 must be below world_size=4"),
+    ({"world_size": 0}, None, ValueError, r"world_size=0 must be a positive int"),
 ]
 
 
@@ -210,6 +211,7 @@ def test_startup_timeout_sources():
     assert _settings(startup_timeout=12).startup_timeout == 12.0
     assert _settings(startup_timeout=timedelta(minutes=2)).startup_timeout == 120.0
     assert _settings(startup_timeout=0).startup_timeout is None
+    assert _settings(startup_timeout=timedelta(0)).startup_timeout is None
     env = {**TORCHRUN, "PDIST_WORLD_COMM_TIMEOUT_SEC": "0"}
     assert _settings(env).startup_timeout is None
     env = {**TORCHRUN, "PDIST_WORLD_COMM_TIMEOUT_SEC": "42"}
@@ -221,6 +223,18 @@ def test_adopted_world_wins_over_the_launcher():
     s = _settings(adopted=Adopted(rank=5, world_size=8, backend="fake"), tp=2)
     assert (s.launch.rank, s.launch.world_size, s.backend, s.adopt) == (5, 8, "fake", True)
     assert s.layout.dp == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"world_size": 4}, "world_size=4"), ({"rank": 0}, "rank=0")]
+)
+def test_an_adopted_world_refuses_other_ranks(kwargs, match):
+    """rank=/world_size= that contradict the adopted default group are refused, not obeyed."""
+    adopted = Adopted(rank=1, world_size=2, backend="gloo")
+    with pytest.raises(ValueError, match=rf"{match} contradicts the initialized default"):
+        _settings(adopted=adopted, **kwargs)
+    s = _settings(adopted=adopted, rank=1, world_size=2)  # agreeing values are fine
+    assert (s.launch.rank, s.launch.world_size) == (1, 2)
 
 
 def test_subgroup_timeout_from_the_environment():

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,6 +15,8 @@ from launcher import raised_after, run_ranks
 
 import pdist
 from pdist.testing import world_sizes
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 TABLE = [
     (None, 600.0, False),
@@ -42,6 +49,8 @@ def test_guard_success(ctx):
     with pdist.world_comm_guard(ctx, timeout=60):
         assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
     with pdist.world_comm_guard(ctx, timeout=0):  # waits forever: no watchdog
+        pass
+    with pdist.world_comm_guard(ctx, timeout=timedelta(0)):  # so does a zero timedelta
         pass
 
 
@@ -173,3 +182,35 @@ def test_collective_timeout_applies_to_a_hung_peer():
     survivor = results[0]
     assert 2 < raised_after(survivor.output) < 3 + 5
     assert "EXITED" in survivor.output
+
+
+STUCK_STORE = """
+    import time
+    import torch.distributed as dist
+    import pdist
+    from pdist import _guard
+
+    class Stuck(dist.Store):
+        def add(self, key, value):
+            time.sleep(3600)  # a store that accepted the connection but never answers
+
+    with pdist.distributed() as ctx:
+        _guard.default_store = Stuck
+        with pdist.world_comm_guard(ctx, timeout=1):
+            print("INSIDE", flush=True)
+"""
+
+
+def test_guard_check_in_is_under_the_deadline():
+    """A store that never answers the guard's check-in still ends the rank with 93."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(STUCK_STORE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, out.stderr
+    assert "while checking in with the rendezvous store" in out.stderr
+    assert "INSIDE" not in out.stdout

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -48,6 +49,43 @@ def test_a_late_rank_ends_the_others_with_93_naming_it():
         assert "ENTERED" not in r.output
         # Interpreter start-up and imports come before the deadline is armed.
         assert r.seconds < 4 + 10 + 15, r.seconds
+
+
+LATE_RANK_RANK0_HOSTS = """
+    import os, time
+    # Launched as srun does: no torchrun agent, so rank 0 hosts the rendezvous store.
+    rank = os.environ.pop("RANK")
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
+    os.environ.update(SLURM_PROCID=rank, SLURM_NTASKS=os.environ.pop("WORLD_SIZE"),
+                      SLURM_LOCALID=os.environ.pop("LOCAL_RANK"),
+                      MASTER_PORT=os.environ["PDIST_TEST_PORT"])
+    if rank == "2":
+        time.sleep(40)
+    import pdist
+    with pdist.distributed() as ctx:
+        print("ENTERED", flush=True)
+"""
+
+
+def test_a_late_rank_is_named_when_rank0_hosts_the_store():
+    """Under srun rank 0 hosts the store: it checks in at once, and both waiting ranks exit 93."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = run_ranks(
+        LATE_RANK_RANK0_HOSTS,
+        3,
+        timeout=60,
+        env={"PDIST_WORLD_COMM_TIMEOUT_SEC": "4", "PDIST_TEST_PORT": str(port)},
+        wait_for=[0, 1],
+    )
+    for r in results[:2]:
+        assert r.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, r.output
+        assert "ENTERED" not in r.output
+        assert "initializing the default process group" in r.output
+    # Rank 0 is the store: it was never waiting for it, and it can always read the check-ins.
+    assert "ranks that never checked in: 2." in results[0].output
+    assert "never answered" not in results[0].output
 
 
 SLOW_BLOCK = """
@@ -101,6 +139,33 @@ def test_a_near_miss_warns(caplog):
         took = deadline.disarm()
     assert took >= 0.5
     assert "past its 0.2s deadline (saved by the grace period)" in caplog.text
+
+
+FAILS_AFTER_THE_DEADLINE = """
+    import time
+    from pdist import _guard
+    deadline = _guard.Deadline(0.3, rank=1, world_size=2, what="start-up", hint="raise it")
+    deadline.arm()
+    deadline.abort_if_expired(RuntimeError("too early"))  # before the deadline: returns
+    print("RETURNED", flush=True)
+    time.sleep(0.6)  # past the deadline, inside the grace (at least 1 s)
+    deadline.abort_if_expired(RuntimeError("Connection closed by peer"))
+    print("NOT REACHED", flush=True)
+"""
+
+
+def test_a_failure_after_the_deadline_ends_like_the_deadline():
+    """A peer that gave up makes this rank fail inside its grace: it exits 93 all the same."""
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FAILS_AFTER_THE_DEADLINE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, out.stderr
+    assert "RETURNED" in out.stdout
+    assert "NOT REACHED" not in out.stdout
+    assert "0.3s deadline while starting (RuntimeError: Connection closed by peer)" in out.stderr
 
 
 def test_grace_is_bounded():
@@ -167,6 +232,17 @@ def test_new_group_fails_together_on_bad_or_mismatched_lists(ctx):
     assert _sum(g) == sum(g.ranks)
 
 
+@world_sizes(3)
+def test_new_group_with_a_bad_name_on_one_rank_fails_on_every_rank(ctx):
+    """A bad name on rank 1 only is refused on every rank, not left to a hang."""
+    name = None if ctx.rank == 1 else "pairs"
+    with pytest.raises(pdist.RankMismatchError, match=r"ranks \[1\]: TypeError: name=None"):
+        pdist.new_group(ctx, [[0, 1]], name=name)
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == 3
+    with pytest.raises(TypeError, match=r"name=5 must be None or a non-empty str"):
+        pdist.new_tp_group(ctx, 1, name=5)
+
+
 @world_sizes(4)
 def test_equal_partitions_share_communicators(ctx):
     """Asking twice for a partition, or for one the context holds, builds nothing new."""
@@ -202,6 +278,23 @@ def test_dp_sp_is_the_gradient_group():
         assert not set(out["tp"]) - {rank} & set(out["dp_sp"])
 
 
+def _different_tp() -> str:
+    tp = 2 if int(os.environ["RANK"]) == 0 else 1
+    with (
+        pytest.raises(pdist.RankMismatchError) as info,
+        pdist.distributed(tp=tp, startup_timeout=30),
+    ):
+        pass
+    assert not dist.is_initialized()
+    return str(info.value)
+
+
+def test_ranks_asking_for_different_layouts_fail_together():
+    """tp=2 on rank 0 but tp=1 on rank 1: both raise naming the ranks, rather than hang."""
+    for message in spawn(_different_tp, 2, timeout=90):
+        assert "ranks [0]: tp=2, sp=1; ranks [1]: tp=1, sp=1" in message
+
+
 def _mesh(tp: int, sp: int, axes) -> tuple:
     with pdist.distributed(tp=tp, sp=sp) as ctx:
         mesh = pdist.device_mesh(ctx, axes)
@@ -230,6 +323,26 @@ def test_device_mesh_sub_meshes(tp, sp, axes, names, mesh_of):
         assert dim_names == names
         assert mesh == mesh_of(rank)
         assert all(rank in g for g in groups)
+
+
+def _patched_mesh() -> tuple:
+    with pdist.distributed(sp=2) as ctx:  # FastVideo's layout: tp and sp both [0, 1] [2, 3]
+        tp = pdist.new_tp_group(ctx, 2)
+        with pdist.patch_tp(ctx, tp) as enc_ctx:
+            one = pdist.device_mesh(enc_ctx, ("tp",))
+            out = (one.mesh.tolist(), dist.get_process_group_ranks(one.get_group()))
+            del one
+            with pytest.raises(ValueError, match=r"ctx.dp holds ranks \((0, 2|1, 3)\)") as info:
+                pdist.device_mesh(enc_ctx)
+        return (*out, str(info.value))
+
+
+def test_device_mesh_refuses_groups_that_form_no_mesh():
+    """A patched tp that is another partition of the sp ranks gives no silently wrong mesh."""
+    for rank, (mesh, ranks, message) in enumerate(spawn(_patched_mesh, 4, timeout=60)):
+        mine = [0, 1] if rank < 2 else [2, 3]
+        assert mesh == ranks == mine  # one axis: the group itself
+        assert "do not form one (dp, sp, tp) mesh" in message
 
 
 def _bad_mesh(axes) -> str:

@@ -40,6 +40,21 @@ def test_set_cpu_affinity_for_real():
     assert os.sched_getaffinity(0) == current
 
 
+def test_gpu_affinity_the_kernel_refuses_warns_and_keeps(monkeypatch, caplog):
+    """A CPU set the kernel refuses (offline CPUs, a cgroup) is a warning, not a failed start-up."""
+
+    def refuse(pid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(_topology, "gpu_cpu_affinity", lambda index: frozenset({0, 1}))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    with caplog.at_level(logging.WARNING, logger="pdist"):
+        assert _topology.apply_gpu_affinity(torch.device("cuda", 0)) is None
+    assert "not pinning CPU affinity for cuda:0" in caplog.text
+    assert "Invalid argument" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("visible", "index", "expected"),
     [

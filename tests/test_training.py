@@ -79,6 +79,16 @@ def test_plain_module_is_a_no_op():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_grad_sync_names_a_model_that_is_no_module():
+    """Passing something that is not a module says what to pass, before the block runs."""
+    optimizer = torch.optim.SGD(_net().parameters(), lr=0.1)
+    with (
+        pytest.raises(TypeError, match=r"model must be an nn.Module .*got a SGD"),
+        pdist.grad_sync(optimizer, enabled=False),
+    ):
+        pass
+
+
 class Stepper(nn.Module):
     """Its forward must not run: training_step goes through DDP's forward instead."""
 
