@@ -618,7 +618,10 @@ def _agree(g: Group, records: list[Any]) -> _Plan:
         )
         raise PdistError(msg)
     pids = _positive_int(g, records, "pid")
-    spaces = {r.get("pid_namespace") for r in records}
+    # Anything but a str (such as a list from another version) means an unknown namespace.
+    spaces = {
+        ns if isinstance(ns, str) else None for ns in (r.get("pid_namespace") for r in records)
+    }
     same_space = len(spaces) == 1 and None not in spaces
     return _Plan(
         sizes["chunk_bytes"],

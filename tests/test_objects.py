@@ -234,6 +234,19 @@ def test_send_recv_tensor_dict(ctx):
         _check_dict(pdist.recv_tensor_dict(ctx, src=1), 0)
 
 
+@world_sizes(2)
+def test_send_tensor_dict_of_a_mapping_arrives(ctx):
+    """Any Mapping send_tensor_dict accepts arrives as that Mapping (not refused after sending)."""
+    sent = collections.UserDict({"w": torch.arange(2048.0), "step": 3})
+    if ctx.rank == 0:
+        pdist.send_tensor_dict(ctx, sent, dst=1)
+    else:
+        got = pdist.recv_tensor_dict(ctx, src=0)
+        assert type(got) is collections.UserDict
+        assert torch.equal(got["w"], sent["w"])
+        assert got["step"] == 3
+
+
 @world_sizes(4)
 def test_tensor_dict_send_allgather(ctx):
     """With all_gather_group, each stage rank sends 1/k and the receivers all-gather."""
