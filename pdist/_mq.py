@@ -647,7 +647,7 @@ def _create(g: Group, plan: _Plan, ring_size: int) -> mmap.mmap:
                 os.posix_fallocate(fd, 0, ring_size)
             else:  # pragma: no cover - not Linux
                 os.ftruncate(fd, ring_size)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # OverflowError: a size no file can have
             msg = (
                 f"rank {g.rank} could not reserve {ring_size} bytes for the ring in "
                 f"{shm_dir()}: {exc}; give it more room (docker run --shm-size=...) or pass a "

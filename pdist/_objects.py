@@ -769,6 +769,11 @@ def recv_tensor_dict(
     one of them is ready and got the same layout, so that one receiver's
     failure raises on all of them (and on their senders).
 
+    .. note:: Every receiver of a stage must pass the stage's
+       ``all_gather_group`` (the caller's precondition): one that passes None
+       or another group raises, but cannot reach the others of the stage,
+       which then wait in the all-reduce until the group's timeout.
+
     Returns:
         The dict (of the sender's mapping type), with tensors on this rank's
         device (CPU tensors stay on the CPU).
