@@ -209,10 +209,24 @@ class _Pickler(pickle.Pickler):
 
 
 def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
-    """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those."""
+    """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those.
+
+    Raises:
+        TypeError: ``obj`` cannot be pickled (its message says why and what to do).
+    """
     buf = io.BytesIO()
     pickler = _Pickler(buf)
-    pickler.dump(obj)
+    try:
+        pickler.dump(obj)
+    except (pickle.PicklingError, AttributeError) as exc:
+        # "Can't pickle local object", "attribute lookup <lambda> failed": pickle refers to
+        # classes and functions by name, which the receiver must be able to import.
+        msg = (
+            f"cannot pickle the object: {exc}; objects travel as pickles, which name their "
+            "classes and functions: define those at module level (not as lambdas or inside "
+            "functions), or send plain data"
+        )
+        raise TypeError(msg) from exc
     return buf.getvalue(), pickler.entries
 
 
