@@ -476,6 +476,13 @@ def _record_kind(
 
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
     """Parse a message body, checking every field (a bad one raises :class:`~pdist.PdistError`)."""
+    try:
+        return _decode(body, source)
+    except RecursionError:  # JSON nested past the interpreter's limit (parsing or printing it)
+        raise _corrupt(source, "the header nests too deeply") from None
+
+
+def _decode(body: bytes, source: str) -> Decoded:
     count = bucket_count(body, source=source)
     _, header_len, _ = _PREFIX.unpack_from(body)
     start = _PREFIX.size + header_len

@@ -502,7 +502,7 @@ def exchange(
     for rank, data in zip(group.ranks, gathered, strict=True):
         try:
             out.append(json.loads(data))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested deep
             msg = f"{what} on group {group.name!r}: rank {rank} sent a record that is not JSON"
             raise PdistError(msg) from None
     return out

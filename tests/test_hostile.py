@@ -149,6 +149,7 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
                 b"abc",
             ),
         ),
+        ("header nested too deeply", OK, _prefix_body(b"[" * 1500 + b"]" * 1500)),
         (
             "dims past int64",
             OK,
@@ -262,6 +263,7 @@ EXPECTED = {
     "persistent id out of range": "unexpected persistent id ('storage', 3)",
     "storage of the wrong size": "needs 4000 bytes of a storage of which 3 travelled",
     "dims past int64": "tensor record",
+    "header nested too deeply": "the header nests too deeply",
 }
 
 PATHS = [
@@ -465,7 +467,8 @@ def test_padding_on_the_wire_is_zeros():
 def _sync_victim(record):
     with pdist.distributed(timeout=30) as ctx:
         if ctx.rank == 0:  # the attacker's record instead of [src, digest]
-            _wire.exchange(ctx.world, record, what="attack")
+            raw = record if isinstance(record, bytes) else json.dumps(record).encode()
+            _wire.all_gather_bytes(ctx.world, raw, what="attack")
             return None
         try:
             pdist.sync_model_states(ctx, torch.nn.Linear(2, 2))
@@ -476,12 +479,22 @@ def _sync_victim(record):
         return "returned"
 
 
-@pytest.mark.parametrize("record", [5, ["0", "digest"], [0, ["not", "hashable"]], {"a": 1}])
+DEEP = b"[" * 1500 + b"]" * 1500  # JSON nested past Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    "record",
+    [5, ["0", "digest"], [0, ["not", "hashable"]], {"a": 1}, DEEP],
+    ids=["int", "str src", "list digest", "dict", "nested too deeply"],
+)
 def test_malformed_sync_records_raise_pdist_errors(record):
-    """sync_model_states refuses a peer's record that is JSON but not [src, digest]."""
+    """sync_model_states refuses a peer's record that is not [src, digest] (or not JSON)."""
     _, outcome = spawn(_sync_victim, 2, record, timeout=120)
     assert outcome.startswith("PdistError: "), outcome
-    assert "rank 0 sent a malformed record" in outcome, outcome
+    if record is DEEP:
+        assert "rank 0 sent a record that is not JSON" in outcome, outcome
+    else:
+        assert "rank 0 sent a malformed record" in outcome, outcome
 
 
 def _odd_namespace_queue():
