@@ -142,6 +142,13 @@ def _leaf_problem(t: torch.Tensor, device: torch.device) -> str | None:
         return f"a {t.layout} tensor; collate_batches gathers dense tensors: pass .to_dense()"
     if t.is_quantized:
         return "a quantized tensor; pass .dequantize()"
+    if getattr(type(t), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+        # Its own dispatch (DTensor, FakeTensor...): packing its data into a plain buffer fails,
+        # and it would fail only after the ranks without samples entered the gather.
+        return (
+            f"a {type(t).__name__}, a tensor subclass with its own dispatch; pass plain "
+            "tensors (for a DTensor: .full_tensor() or .to_local())"
+        )
     if t.device.type != "cpu" and t.device != device:
         return (
             f"on {t.device}; collate_batches gathers CPU tensors and tensors on the group's "

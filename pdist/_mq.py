@@ -618,7 +618,10 @@ def _agree(g: Group, records: list[Any]) -> _Plan:
         )
         raise PdistError(msg)
     pids = _positive_int(g, records, "pid")
-    spaces = {r.get("pid_namespace") for r in records}
+    # Anything but a str (such as a list from another version) means an unknown namespace.
+    spaces = {
+        ns if isinstance(ns, str) else None for ns in (r.get("pid_namespace") for r in records)
+    }
     same_space = len(spaces) == 1 and None not in spaces
     return _Plan(
         sizes["chunk_bytes"],
@@ -644,7 +647,7 @@ def _create(g: Group, plan: _Plan, ring_size: int) -> mmap.mmap:
                 os.posix_fallocate(fd, 0, ring_size)
             else:  # pragma: no cover - not Linux
                 os.ftruncate(fd, ring_size)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # OverflowError: a size no file can have
             msg = (
                 f"rank {g.rank} could not reserve {ring_size} bytes for the ring in "
                 f"{shm_dir()}: {exc}; give it more room (docker run --shm-size=...) or pass a "

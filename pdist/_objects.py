@@ -301,7 +301,8 @@ def gather_object(
     """Every rank's ``obj`` in group order on group index ``dst``; None elsewhere.
 
     Dense tensors travel as tensors: a fixed-size record per rank in one
-    all-gather, the skeletons and headers in one gather, then, when tensors of
+    all-gather, the skeletons and headers in one gather (after a status
+    all-reduce when the longest is 1 MiB or more), then, when tensors of
     at least 1 KiB are present, an 8-byte status all-reduce and one gather
     per transport straight into the memory the tensors are rebuilt from. As
     with torch, the destination's own entry is a copy.
@@ -351,9 +352,13 @@ def gather_object(
     # Known alike on every rank (from the records), whatever fails below.
     buckets_follow = any(rec[2] or rec[3] for rec in records)
     longest = max(rec[1] for rec in records)
-    padded = _wire.tensor_of(body, longest)
-    outs = [torch.empty(longest, dtype=torch.uint8) for _ in g.ranks] if is_dst else None
-    dist.gather(padded, outs, dst=dst_global, group=g.cpu_group)
+
+    def make() -> list[torch.Tensor]:
+        mine = _wire.padded(body, longest, g, what)
+        return [mine, *(_wire.allocate(longest, g, what) for _ in g.ranks if is_dst)]
+
+    padded, *outs = _wire.allocated(g, longest, make, what)
+    dist.gather(padded, outs if is_dst else None, dst=dst_global, group=g.cpu_group)
     failure: BaseException | None = None
     decodeds: list[_payload.Decoded] = []
     regions: dict[str, _Regions] = {}
@@ -367,7 +372,6 @@ def gather_object(
                     kind_sizes, _payload.transport_device(kind, g.device), allocate=is_dst
                 )
         if is_dst:
-            assert outs is not None
             for r, (out, rec) in enumerate(zip(outs, records, strict=True)):
                 source = f"rank {g.ranks[r]}"
                 decoded = _payload.decode(_wire.bytes_of(out, rec[1]), source=source)
@@ -765,8 +769,14 @@ def recv_tensor_dict(
     one of them is ready and got the same layout, so that one receiver's
     failure raises on all of them (and on their senders).
 
+    .. note:: Every receiver of a stage must pass the stage's
+       ``all_gather_group`` (the caller's precondition): one that passes None
+       or another group raises, but cannot reach the others of the stage,
+       which then wait in the all-reduce until the group's timeout.
+
     Returns:
-        The dict, with tensors on this rank's device (CPU tensors stay on the CPU).
+        The dict (of the sender's mapping type), with tensors on this rank's
+        device (CPU tensors stay on the CPU).
     """
     g = as_group(group)
     what = "recv_tensor_dict"
@@ -778,7 +788,9 @@ def recv_tensor_dict(
     except (TypeError, ValueError) as exc:
         error = exc
     out = _recv_payload(g, peer, safe=safe, what=what, error=error, split=split)
-    if not isinstance(out, dict):
+    # send_tensor_dict accepts any Mapping: refusing one here would fail after the sender
+    # returned, on this side only.
+    if not isinstance(out, Mapping):
         msg = f"{what}: rank {g.ranks[peer]} sent a {type(out).__name__}, not a dict"
         raise PdistError(msg)
-    return out
+    return out  # type: ignore[return-value]  # the sender's Mapping type

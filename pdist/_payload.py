@@ -92,6 +92,7 @@ _PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
 _MAGIC = b"pdP1"
 _KINDS = ("cpu", "device")
 _MAX_DIMS = 64
+_INT64 = 1 << 63  # sizes, shapes and offsets torch can hold are below it
 
 
 def _viewable() -> frozenset[torch.dtype]:
@@ -447,7 +448,7 @@ def bucket_count(body: bytes, *, source: str = "a peer") -> int:
 
 
 def _is_int(value: object, low: int = 0) -> bool:
-    return type(value) is int and value >= low
+    return type(value) is int and low <= value < _INT64
 
 
 def _record_kind(
@@ -475,6 +476,13 @@ def _record_kind(
 
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
     """Parse a message body, checking every field (a bad one raises :class:`~pdist.PdistError`)."""
+    try:
+        return _decode(body, source)
+    except RecursionError:  # JSON nested past the interpreter's limit (parsing or printing it)
+        raise _corrupt(source, "the header nests too deeply") from None
+
+
+def _decode(body: bytes, source: str) -> Decoded:
     count = bucket_count(body, source=source)
     _, header_len, _ = _PREFIX.unpack_from(body)
     start = _PREFIX.size + header_len
@@ -489,8 +497,8 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
     if not _is_int(header["k"], 1):
         raise _corrupt(source, f"split {header['k']!r:.40}")
     skeleton_len, names, raw_buckets, records = header["s"], header["d"], header["b"], header["t"]
-    if header["z"] not in (0, 1) or type(header["z"]) is not int:
-        raise _corrupt(source, f"late status flag {header['z']!r:.40}")
+    if header["z"] not in (0, 1) or type(header["z"]) is not int or (header["z"] and count < 2):
+        raise _corrupt(source, f"late status flag {header['z']!r:.40} with {count} buckets")
     if not _is_int(skeleton_len) or start + skeleton_len > len(body):
         raise _corrupt(source, f"skeleton length {skeleton_len!r:.40}")
     if not isinstance(names, list):
@@ -507,6 +515,7 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         raise _corrupt(source, "the tensor table is not a list")
     blob = body[start + skeleton_len :]
     specs, storage, places = [], [], []
+    ends = [-1] * count  # per bucket: where its last tensor ends (-1: no tensor in it)
     # What a (dtype, flags) pair allows is checked once per distinct pair.
     kinds: dict[tuple[int, int], tuple[str, str, bool, bool, bool, int]] = {}
     for r in records:
@@ -520,9 +529,9 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
             and type(offset) is int
             and type(shape) is list
             and -1 <= bucket < count
-            and offset >= 0
+            and 0 <= offset < _INT64
             and len(shape) <= _MAX_DIMS
-            and all(type(d) is int and d >= 0 for d in shape)
+            and all(type(d) is int and 0 <= d < _INT64 for d in shape)
         ):
             raise _corrupt(source, f"tensor record {r!r:.120}")
         kind = kinds.get((code, flags))
@@ -531,11 +540,22 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         name, device_type, grad, param, is_storage, itemsize = kind
         if is_storage and len(shape) != 1:
             raise _corrupt(source, f"storage record {r!r:.120}")
-        if bucket < 0 and offset + math.prod(shape) * itemsize > len(blob):
+        nbytes = math.prod(shape) * itemsize
+        if nbytes >= _INT64:
+            raise _corrupt(source, f"tensor record {r!r:.120} of {nbytes} bytes")
+        if bucket < 0 and offset + nbytes > len(blob):
             raise _corrupt(source, f"inline tensor {r!r:.120} past the end of the body")
+        if bucket >= 0:
+            ends[bucket] = max(ends[bucket], offset + nbytes)
         specs.append(TensorSpec(name, tuple(shape), device_type, grad, param))
         storage.append(is_storage)
         places.append((bucket, offset))
+    # A bucket is as large as its tensors, padded to at most split * ALIGN bytes (``encode``):
+    # a receiver allocates no more than the tensors announced.
+    slack = header["k"] * ALIGN
+    for i, (b, end) in enumerate(zip(buckets, ends, strict=True)):
+        if not end <= b.nbytes < end + slack:
+            raise _corrupt(source, f"bucket {i} of {b.nbytes} bytes for tensors ending at {end}")
     return Decoded(
         skeleton=body[start : start + skeleton_len],
         specs=specs,
@@ -549,13 +569,27 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
 
 
 def empty_buckets(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
-    """Receive buffers for the buckets of ``decoded`` (one slab per transport)."""
+    """Receive buffers for the buckets of ``decoded`` (one slab per transport).
+
+    Raises:
+        PdistError: They cannot be allocated (out of memory).
+    """
     out: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(decoded.buckets)
     for kind in _KINDS:
         members = [i for i, b in enumerate(decoded.buckets) if b.kind == kind]
         sizes = [decoded.buckets[i].nbytes for i in members]
         if members:
-            for i, flat in zip(members, slab(sizes, transport_device(kind, device)), strict=True):
+            target = transport_device(kind, device)
+            try:
+                flats = slab(sizes, target)
+            except Exception as exc:  # RuntimeError (out of memory), OSError from mmap...
+                msg = (
+                    f"could not allocate {sum(sizes)} bytes on {target} for the received "
+                    f"tensors ({type(exc).__name__}: {str(exc)[:200]}); free memory or send less "
+                    "in one call"
+                )
+                raise PdistError(msg) from exc
+            for i, flat in zip(members, flats, strict=True):
                 out[i] = flat
     return out
 

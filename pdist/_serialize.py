@@ -209,10 +209,24 @@ class _Pickler(pickle.Pickler):
 
 
 def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
-    """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those."""
+    """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those.
+
+    Raises:
+        TypeError: ``obj`` cannot be pickled (its message says why and what to do).
+    """
     buf = io.BytesIO()
     pickler = _Pickler(buf)
-    pickler.dump(obj)
+    try:
+        pickler.dump(obj)
+    except (pickle.PicklingError, AttributeError) as exc:
+        # "Can't pickle local object", "attribute lookup <lambda> failed": pickle refers to
+        # classes and functions by name, which the receiver must be able to import.
+        msg = (
+            f"cannot pickle the object: {exc}; objects travel as pickles, which name their "
+            "classes and functions: define those at module level (not as lambdas or inside "
+            "functions), or send plain data"
+        )
+        raise TypeError(msg) from exc
     return buf.getvalue(), pickler.entries
 
 
@@ -236,7 +250,10 @@ def check_safe(safe: object, rank: int) -> Safe:
     return classes
 
 
-def _persistent_loader(entries: Sequence[torch.Tensor], storage: Sequence[bool]) -> Any:
+def _persistent_loader(
+    entries: Sequence[torch.Tensor], storage: Sequence[bool]
+) -> tuple[Any, dict[int, torch.UntypedStorage]]:
+    """The ``persistent_load`` of a received skeleton, and the storages it handed out."""
     untyped: dict[int, torch.UntypedStorage] = {}
 
     def storage_of(index: int) -> torch.UntypedStorage:
@@ -266,7 +283,25 @@ def _persistent_loader(entries: Sequence[torch.Tensor], storage: Sequence[bool])
         )
         raise PdistError(msg)
 
-    return load
+    return load, untyped
+
+
+def _check_storages(
+    entries: Sequence[torch.Tensor], untyped: dict[int, torch.UntypedStorage]
+) -> None:
+    """Refuse a skeleton that rebuilt a tensor larger than the storage that travelled.
+
+    torch's rebuild functions grow a storage that is too small for the
+    tensor set on it (with uninitialized memory) instead of failing.
+    """
+    for index, found in untyped.items():
+        sent = entries[index].numel()
+        if found.nbytes() != sent:
+            msg = (
+                f"a received tensor needs {found.nbytes()} bytes of a storage of which {sent} "
+                "travelled; the sender's payload is corrupt"
+            )
+            raise PdistError(msg)
 
 
 # Torch queues every sparse tensor it unpickles in one module-level list, to be validated
@@ -325,12 +360,13 @@ def loads(
     allow-list (builtin containers and scalars, tensors, dtypes, devices),
     plus the classes ``safe`` lists; anything else raises
     :class:`~pdist.PdistError` naming it, without running it. Every sparse
-    tensor received is checked against its invariants (indices in range). Any
+    tensor received is checked against its invariants (indices in range), and
+    every tensor rebuilt from a storage must fit the bytes that travelled. Any
     failure to rebuild the object raises :class:`~pdist.PdistError`, the
     original error as its cause.
     """
     mask = [False] * len(entries) if storage is None else storage
-    persistent_load = _persistent_loader(entries, mask)
+    persistent_load, storages = _persistent_loader(entries, mask)
     with _SPARSE_LOCK, warnings.catch_warnings():
         # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly.
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
@@ -341,6 +377,7 @@ def loads(
             fresh = list(pending[start:])
         finally:
             del pending[start:]
+        _check_storages(entries, storages)
         _validate_sparse(fresh)
     return obj
 

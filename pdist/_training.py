@@ -17,7 +17,7 @@ from torch import nn
 
 from . import _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES
-from ._errors import RankMismatchError
+from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._payload import Fill, place, process_group, staging
 from ._serialize import dtype_name
@@ -455,7 +455,7 @@ def sync_model_states(
     states: list[tuple[str, torch.Tensor]] = []
     try:
         states = _local_states(g, model, src, ignore, broadcast_buffers)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # also a model whose named_parameters() raises
         error = exc
     if g.world_size == 1:
         if error is not None:
@@ -464,6 +464,18 @@ def sync_model_states(
     entries = [_entry(n, t) for n, t in states]
     digest = hashlib.sha256(repr(entries).encode()).hexdigest()
     records = _wire.exchange(g, [src, digest], error=error, what=what)
+    for rank, record in zip(g.ranks, records, strict=True):
+        if not (
+            isinstance(record, list)
+            and len(record) == 2
+            and type(record[0]) is int
+            and isinstance(record[1], str)
+        ):
+            msg = (
+                f"{what} on group {g.name!r}: rank {rank} sent a malformed record "
+                f"{record!r:.80}; do all ranks run the same pdist version?"
+            )
+            raise PdistError(msg)
     srcs = [r[0] for r in records]
     if len(set(map(repr, srcs))) > 1:
         by_rank = ", ".join(f"rank {r}: src={s!r}" for r, s in zip(g.ranks, srcs, strict=True))
@@ -475,10 +487,13 @@ def sync_model_states(
         lists = _wire.exchange(g, entries, what=what)
         bad = [g.ranks[i] for i, d in enumerate(digests) if d != digests[src]]
         first_bad = g.ranks.index(bad[0])
+        try:
+            difference = _first_difference(lists[src], lists[first_bad])
+        except (TypeError, ValueError, IndexError, KeyError):  # JSON, but not pdist's entries
+            difference = "unknown (a rank sent a malformed list of entries)"
         msg = (
             f"{what}: the states of ranks {bad} differ from those of src rank "
-            f"{g.ranks[src]}: first difference (src vs rank {bad[0]}): "
-            f"{_first_difference(lists[src], lists[first_bad])}"
+            f"{g.ranks[src]}: first difference (src vs rank {bad[0]}): {difference}"
         )
         raise RankMismatchError(msg)
     with torch.no_grad():

@@ -7,6 +7,13 @@ collective. A rank that fails while preparing its part sends an error marker
 instead of its payload: then every rank raises the same :class:`RemoteError`
 (the failing one with its original error as the cause), and nobody waits.
 
+A message's rest of :data:`STATUS_MIN_BYTES` or more is preceded by a status
+step (an 8-byte all-reduce, or a short reply from the receiver of a send):
+a receiver that cannot allocate it (out of memory, or a length no buffer can
+hold) then makes every rank raise instead of leaving the sender waiting.
+Senders allocate both chunks before anything moves, and send an error
+marker when they cannot.
+
 Nothing a peer sends here is unpickled: an error marker is a struct (the
 failing rank, the error's type name and text as UTF-8), and metadata records
 (:func:`exchange`) are JSON. Only the payloads a user asked to send are
@@ -30,17 +37,21 @@ from ._group import Group
 
 __all__ = [
     "FIRST_MESSAGE_BYTES",
+    "STATUS_MIN_BYTES",
     "RemoteError",
     "RemoteTypeError",
     "RemoteValueError",
     "agree",
     "all_gather_bytes",
     "all_gather_into",
+    "allocate",
+    "allocated",
     "broadcast_bytes",
     "bytes_of",
     "exchange",
     "frame",
     "gather_bytes",
+    "padded",
     "recv_bytes",
     "reraise_own",
     "send_bytes",
@@ -51,6 +62,13 @@ __all__ = [
 
 FIRST_MESSAGE_BYTES = 4096
 """Size of the fixed first chunk of a message: smaller messages take one collective."""
+
+STATUS_MIN_BYTES = 1 << 20
+"""A message's rest of this size or more moves only after every receiver has allocated it.
+
+Below it, an allocation cannot realistically fail, and the status step would
+cost more than the transfer it guards.
+"""
 
 _HEADER = struct.Struct("<Bq")  # status, body length
 _OK, _ERROR = 1, 2
@@ -81,10 +99,14 @@ _REMOTE_TYPES: dict[str, type[RemoteError]] = {
 
 def tensor_of(data: bytes | bytearray | memoryview, size: int | None = None) -> torch.Tensor:
     """A uint8 CPU tensor holding ``data``, zero-padded to ``size`` bytes."""
+    return _filled(torch.empty(max(len(data), size or 0), dtype=torch.uint8), data)
+
+
+def _filled(out: torch.Tensor, data: bytes | bytearray | memoryview) -> torch.Tensor:
     n = len(data)
-    out = torch.empty(max(n, size or 0), dtype=torch.uint8)
     if n:
         ctypes.memmove(out.data_ptr(), bytes(data), n)
+    out[n:].zero_()  # the padding goes on the wire: never this process's stale memory
     return out
 
 
@@ -94,6 +116,31 @@ def bytes_of(t: torch.Tensor, n: int | None = None, offset: int = 0) -> bytes:
     if count <= 0:
         return b""
     return ctypes.string_at(t.data_ptr() + offset, count)
+
+
+def allocate(nbytes: int, group: Group, what: str) -> torch.Tensor:
+    """An uninitialized uint8 CPU buffer of ``nbytes`` for received data.
+
+    Raises:
+        PdistError: It cannot be allocated (out of memory, or a size no buffer
+            can have, such as one a corrupt header announced).
+    """
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except Exception as exc:  # RuntimeError (out of memory), OverflowError...
+        msg = (
+            f"rank {group.rank} could not allocate {nbytes} bytes for the data of {what} on "
+            f"group {group.name!r} ({type(exc).__name__}: {str(exc)[:200]}); free memory or "
+            "send less in one call"
+        )
+        raise PdistError(msg) from exc
+
+
+def padded(
+    data: bytes | bytearray | memoryview, size: int, group: Group, what: str
+) -> torch.Tensor:
+    """:func:`tensor_of` in a buffer from :func:`allocate` (its failure a PdistError)."""
+    return _filled(allocate(max(len(data), size), group, what), data)
 
 
 def all_gather_into(
@@ -158,21 +205,69 @@ def unframe(data: bytes, group: Group, what: str) -> bytes:
     return body
 
 
-def _move(message: bytes | None, move: Callable[[torch.Tensor], object]) -> bytes:
-    """Send (``message`` given) or receive (None) one framed message through ``move``."""
+def _chunks(message: bytes) -> list[torch.Tensor]:
+    """The fixed-size first chunk of ``message`` and, when it is longer, the rest."""
     size = FIRST_MESSAGE_BYTES
-    if message is not None:
-        move(tensor_of(message[:size], size))
-        if len(message) > size:
-            move(tensor_of(message[size:]))
-        return message
+    chunks = [tensor_of(message[:size], size)]
+    if len(message) > size:
+        chunks.append(tensor_of(message[size:]))
+    return chunks
+
+
+def _outgoing(message: bytes, rank: int) -> tuple[list[torch.Tensor], BaseException | None]:
+    """The chunks of ``message``, allocated before anything moves.
+
+    When they cannot be allocated (out of memory), the chunks of an error
+    marker instead, and the error, which the sender raises after sending them.
+    """
+    try:
+        return _chunks(message), None
+    except Exception as exc:
+        return _chunks(frame(None, exc, rank)), exc
+
+
+def _send_chunks(
+    chunks: list[torch.Tensor],
+    move: Callable[[torch.Tensor], object],
+    status: Callable[[], object],
+) -> None:
+    """Move a message's chunks; before a large rest, ``status()`` hears from the receivers."""
+    for i, chunk in enumerate(chunks):
+        if i and chunk.numel() >= STATUS_MIN_BYTES:
+            status()
+        move(chunk)
+
+
+def _receive(
+    move: Callable[[torch.Tensor], object],
+    status: Callable[[BaseException | None], object],
+    group: Group,
+    what: str,
+) -> bytes:
+    """Receive one framed message through ``move``.
+
+    Before a rest of :data:`STATUS_MIN_BYTES` or more, ``status`` reports
+    whether this rank could allocate it (and raises on failure); a smaller
+    rest that cannot be allocated raises here.
+    """
+    size = FIRST_MESSAGE_BYTES
     first = torch.empty(size, dtype=torch.uint8)
     move(first)
     _status, length = _HEADER.unpack(bytes_of(first, _HEADER.size))
     total = _HEADER.size + length
     if total <= size:
         return bytes_of(first, total)
-    rest = torch.empty(total - size, dtype=torch.uint8)
+    rest: torch.Tensor | None = None
+    failure: BaseException | None = None
+    try:
+        rest = allocate(total - size, group, what)
+    except PdistError as exc:
+        failure = exc
+    if total - size >= STATUS_MIN_BYTES:
+        status(failure)
+    elif failure is not None:
+        raise failure
+    assert rest is not None  # status raised otherwise
     move(rest)
     return bytes_of(first) + bytes_of(rest)
 
@@ -193,16 +288,24 @@ def broadcast_bytes(
 ) -> bytes:
     """Broadcast ``payload`` from group index ``src`` over the CPU group; returns it on every rank.
 
-    One collective when the payload fits the first chunk, two otherwise. When
-    the source passes ``error``, every rank raises the same :class:`RemoteError`.
+    One collective when the payload fits the first chunk, two otherwise (and a
+    status all-reduce before a rest of :data:`STATUS_MIN_BYTES` or more). When
+    the source passes ``error``, or a rank cannot allocate the message, every
+    rank raises the same :class:`RemoteError`.
     """
     src_global = group.global_rank(src)
     pg = group.cpu_group
-    is_src = group.rank_in_group == src
-    message = frame(payload, error, group.rank) if is_src else None
-    data = _move(message, lambda t: dist.broadcast(t, src=src_global, group=pg))
-    if is_src:
-        reraise_own(error, group, what, group.rank)
+
+    def move(t: torch.Tensor) -> None:
+        dist.broadcast(t, src=src_global, group=pg)
+
+    if group.rank_in_group == src:
+        message = frame(payload, error, group.rank)
+        chunks, failure = _outgoing(message, group.rank)
+        _send_chunks(chunks, move, lambda: settle(group, None, what=what))
+        reraise_own(error or failure, group, what, group.rank)
+        return unframe(message, group, what)
+    data = _receive(move, lambda failure: settle(group, failure, what=what), group, what)
     return unframe(data, group, what)
 
 
@@ -214,19 +317,34 @@ def send_bytes(
     error: BaseException | None = None,
     what: str = "send",
 ) -> None:
-    """Send ``payload`` to group index ``dst`` (which calls :func:`recv_bytes`)."""
+    """Send ``payload`` to group index ``dst`` (which calls :func:`recv_bytes`).
+
+    Before a rest of :data:`STATUS_MIN_BYTES` or more, the receiver answers
+    whether it could allocate it; if not, both raise.
+    """
     dst_global = group.global_rank(dst, name="dst")
     pg = group.cpu_group
-    _move(frame(payload, error, group.rank), lambda t: dist.send(t, dst=dst_global, group=pg))
-    reraise_own(error, group, what, group.rank)
+
+    def move(t: torch.Tensor) -> None:
+        dist.send(t, dst=dst_global, group=pg)
+
+    chunks, failure = _outgoing(frame(payload, error, group.rank), group.rank)
+    _send_chunks(chunks, move, lambda: recv_bytes(group, dst, what=what))
+    reraise_own(error or failure, group, what, group.rank)
 
 
 def recv_bytes(group: Group, src: int, *, what: str = "recv") -> bytes:
     """Receive what group index ``src`` sent with :func:`send_bytes`."""
     src_global = group.global_rank(src)
     pg = group.cpu_group
-    data = _move(None, lambda t: dist.recv(t, src=src_global, group=pg))
-    return unframe(data, group, what)
+
+    def move(t: torch.Tensor) -> None:
+        dist.recv(t, src=src_global, group=pg)
+
+    def status(failure: BaseException | None) -> None:
+        send_bytes(group, b"", src, error=failure, what=what)  # raises on failure
+
+    return unframe(_receive(move, status, group, what), group, what)
 
 
 def _exchange_sizes(group: Group, message: bytes) -> tuple[list[int], bool]:
@@ -239,18 +357,43 @@ def _exchange_sizes(group: Group, message: bytes) -> tuple[list[int], bool]:
     return lengths, failed
 
 
-def _all_gather_messages(group: Group, message: bytes, lengths: list[int]) -> list[bytes]:
+def _all_gather_messages(
+    group: Group, message: bytes, lengths: list[int], what: str
+) -> list[bytes]:
     longest = max(lengths)
-    outs = [torch.empty(longest, dtype=torch.uint8) for _ in group.ranks]
+    outs = [allocate(longest, group, what) for _ in group.ranks]
     dist.all_gather(outs, tensor_of(message, longest), group=group.cpu_group)
     return [bytes_of(out, n) for out, n in zip(outs, lengths, strict=True)]
 
 
 def _unframe_all(messages: list[bytes], group: Group, what: str) -> list[bytes]:
-    failures = [m for m in messages if m[0] != _OK]
+    failures = [m for m in messages if m[:1] != bytes([_OK])]  # a truncated one is corrupt
     if failures:
         unframe(failures[0], group, what)
     return [unframe(m, group, what) for m in messages]
+
+
+def allocated(
+    group: Group, nbytes: int, make: Callable[[], list[torch.Tensor]], what: str
+) -> list[torch.Tensor]:
+    """``make()``'s buffers for a transfer of ``nbytes`` per rank, or raise on every rank.
+
+    From :data:`STATUS_MIN_BYTES` on, a status all-reduce follows the
+    allocation, so that a rank that could not allocate makes every rank raise
+    before the transfer; below it, the failure (which does not realistically
+    happen) raises on this rank only. All ranks must pass the same ``nbytes``.
+    """
+    buffers: list[torch.Tensor] = []
+    failure: BaseException | None = None
+    try:
+        buffers = make()
+    except Exception as exc:  # out of memory
+        failure = exc
+    if nbytes >= STATUS_MIN_BYTES:
+        settle(group, failure, what=what)
+    elif failure is not None:
+        raise failure
+    return buffers
 
 
 def all_gather_bytes(
@@ -263,8 +406,10 @@ def all_gather_bytes(
     """Every rank's ``payload`` in group order, over the CPU group.
 
     One collective when every message fits the fixed first chunk, two
-    otherwise. A rank that passes ``error`` sends an error marker; then every
-    rank raises the same :class:`RemoteError`, naming the first failing rank.
+    otherwise (and a status all-reduce before rests of
+    :data:`STATUS_MIN_BYTES` or more). A rank that passes ``error``, or cannot
+    allocate the messages, makes every rank raise the same
+    :class:`RemoteError`, naming the first failing rank.
     """
     message = frame(payload, error, group.rank)
     size, pg = FIRST_MESSAGE_BYTES, group.cpu_group
@@ -275,8 +420,14 @@ def all_gather_bytes(
     if longest <= size:
         messages = [bytes_of(f, n) for f, n in zip(firsts, lengths, strict=True)]
     else:
-        rests = [torch.empty(longest - size, dtype=torch.uint8) for _ in group.ranks]
-        dist.all_gather(rests, tensor_of(message[size:], longest - size), group=pg)
+        rest = longest - size
+
+        def make() -> list[torch.Tensor]:
+            mine = padded(message[size:], rest, group, what)
+            return [mine, *(allocate(rest, group, what) for _ in group.ranks)]
+
+        mine, *rests = allocated(group, rest, make, what)
+        dist.all_gather(rests, mine, group=pg)
         messages = [
             bytes_of(f, min(n, size)) + (bytes_of(r, n - size) if n > size else b"")
             for f, r, n in zip(firsts, rests, lengths, strict=True)
@@ -296,20 +447,25 @@ def gather_bytes(
 
     The size exchange carries each rank's status, so when a rank passes
     ``error`` every rank switches to an all-gather and raises the same
-    :class:`RemoteError`.
+    :class:`RemoteError` (as when a rank cannot allocate its buffers for
+    messages of :data:`STATUS_MIN_BYTES` or more).
     """
     dst_global = group.global_rank(dst, name="dst")
     message = frame(payload, error, group.rank)
     lengths, failed = _exchange_sizes(group, message)
-    if failed:
-        _unframe_all(_all_gather_messages(group, message, lengths), group, what)
+    if failed or min(lengths) < _HEADER.size:
+        _unframe_all(_all_gather_messages(group, message, lengths, what), group, what)
     longest = max(lengths)
-    mine = tensor_of(message, longest)
-    if group.rank_in_group != dst:
-        dist.gather(mine, None, dst=dst_global, group=group.cpu_group)
+    is_dst = group.rank_in_group == dst
+
+    def make() -> list[torch.Tensor]:
+        mine = padded(message, longest, group, what)
+        return [mine, *(allocate(longest, group, what) for _ in group.ranks if is_dst)]
+
+    mine, *outs = allocated(group, longest, make, what)
+    dist.gather(mine, outs if is_dst else None, dst=dst_global, group=group.cpu_group)
+    if not is_dst:
         return None
-    outs = [torch.empty(longest, dtype=torch.uint8) for _ in group.ranks]
-    dist.gather(mine, outs, dst=dst_global, group=group.cpu_group)
     messages = [bytes_of(out, n) for out, n in zip(outs, lengths, strict=True)]
     return _unframe_all(messages, group, what)
 
@@ -346,7 +502,7 @@ def exchange(
     for rank, data in zip(group.ranks, gathered, strict=True):
         try:
             out.append(json.loads(data))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested deep
             msg = f"{what} on group {group.name!r}: rank {rank} sent a record that is not JSON"
             raise PdistError(msg) from None
     return out

@@ -230,6 +230,18 @@ def test_zero_width_leaves(ctx):
     assert torch.equal(out["index"], torch.arange(size))
 
 
+class _OwnDispatch(torch.Tensor):
+    """A tensor subclass with its own dispatch, as DTensor is: it refuses every operator."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} is not supported on this subclass")
+
+
 def _one_bad_rank(case: str):
     """Run collate_batches with one rank's input broken as ``case`` says; how each rank ended."""
     with pdist.distributed(timeout=30) as ctx:
@@ -243,6 +255,8 @@ def _one_bad_rank(case: str):
             batches = [{"x": b["x"].to_sparse()} for b in batches]
         elif case == "zero samples, others on meta" and batches:
             batches = [{"x": torch.zeros(1, 1, device="meta")} for _ in batches]
+        elif case == "zero samples, others hold subclasses" and batches:
+            batches = [{"x": _OwnDispatch(b["x"])} for b in batches]
         real_buffer = pdist._collate.buffer
         if case == "zero samples, allocation fails" and ctx.rank == 0:
 
@@ -279,6 +293,11 @@ ONE_BAD_RANK = {
     "zero samples, others on meta": (
         "RemoteValueError",
         r"failed on rank 0: ValueError: leaf \['x'\] .* on meta",
+    ),
+    "zero samples, others hold subclasses": (
+        "RemoteValueError",
+        r"failed on rank 0: ValueError: leaf \['x'\] of batch 0 is a _OwnDispatch, a tensor "
+        r"subclass with its own dispatch; pass plain tensors",
     ),
     "zero samples, allocation fails": (
         "RemoteError",

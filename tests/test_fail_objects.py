@@ -38,6 +38,22 @@ def _fail(target, name: str, text: str):
     return mock.patch.object(target, name, side_effect=RuntimeError(text))
 
 
+LARGE = b"x" * (2 << 20)  # a skeleton whose rest (past the first 4 KiB chunk) is over 1 MiB
+_EMPTY = torch.empty
+
+
+def _empty_fails_from_1_mib(*args, **kwargs):
+    size = args[0] if args else kwargs.get("size")
+    if isinstance(size, int) and size >= 1 << 20:
+        raise RuntimeError("simulated out of memory")
+    return _EMPTY(*args, **kwargs)
+
+
+def _large_allocations_fail():
+    """Every torch.empty of 1 MiB or more fails on this rank (the framing's own buffers)."""
+    return mock.patch("torch.empty", _empty_fails_from_1_mib)
+
+
 # --------------------------------------------------------------------------- cases
 # Each takes the context; the bad rank is the one the case names in CASES.
 
@@ -186,8 +202,115 @@ def _staged_receiver_allocation_fails(ctx):
         pdist.recv_tensor_dict(ctx, src=0, all_gather_group=tp)
 
 
+def _broadcast_large_receiver_cannot_allocate(ctx):
+    if ctx.rank == 1:
+        with _large_allocations_fail():
+            pdist.broadcast_object(ctx, None)
+    else:
+        pdist.broadcast_object(ctx, LARGE if ctx.rank == 0 else None)
+
+
+def _broadcast_large_source_cannot_allocate(ctx):
+    if ctx.rank == 0:
+        with _large_allocations_fail():
+            pdist.broadcast_object(ctx, LARGE)
+    else:
+        pdist.broadcast_object(ctx, None)
+
+
+def _mq_large_receiver_cannot_allocate(ctx):
+    """A message larger than a slot goes over the CPU group; a reader cannot allocate it."""
+    with pdist.message_queue(ctx.world, chunk_bytes=1 << 16) as group:
+        if ctx.rank == 1:
+            with _large_allocations_fail():
+                pdist.broadcast_object(group, None)
+        else:
+            pdist.broadcast_object(group, LARGE if ctx.rank == 0 else None)
+
+
+def _all_gather_large_cannot_allocate(ctx):
+    if ctx.rank == 1:
+        with _large_allocations_fail():
+            pdist.all_gather_object(ctx, LARGE)
+    else:
+        pdist.all_gather_object(ctx, LARGE)
+
+
+def _gather_large_destination_cannot_allocate(ctx):
+    if ctx.rank == 1:
+        with _large_allocations_fail():
+            pdist.gather_object(ctx, LARGE, dst=1)
+    else:
+        pdist.gather_object(ctx, LARGE, dst=1)
+
+
+def _recv_large_cannot_allocate(ctx):
+    if ctx.rank == 0:
+        pdist.send_object(ctx, LARGE, dst=1)
+    elif ctx.rank == 1:
+        with _large_allocations_fail():
+            pdist.recv_object(ctx, src=0)
+
+
+def _send_large_cannot_allocate(ctx):
+    if ctx.rank == 0:
+        with _large_allocations_fail():
+            pdist.send_object(ctx, LARGE, dst=1)
+    elif ctx.rank == 1:
+        pdist.recv_object(ctx, src=0)
+
+
 CASES = {
     # name: (function, world size, bad rank, expected type, text in the message)
+    "broadcast_large_receiver_cannot_allocate": (
+        _broadcast_large_receiver_cannot_allocate,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "broadcast_large_source_cannot_allocate": (
+        _broadcast_large_source_cannot_allocate,
+        3,
+        0,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "mq_large_receiver_cannot_allocate": (
+        _mq_large_receiver_cannot_allocate,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "all_gather_large_cannot_allocate": (
+        _all_gather_large_cannot_allocate,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "gather_large_destination_cannot_allocate": (
+        _gather_large_destination_cannot_allocate,
+        3,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "recv_large_cannot_allocate": (
+        _recv_large_cannot_allocate,
+        2,
+        1,
+        RuntimeError,
+        "simulated out of memory",
+    ),
+    "send_large_cannot_allocate": (
+        _send_large_cannot_allocate,
+        2,
+        0,
+        RuntimeError,
+        "simulated out of memory",
+    ),
     "bol_pack_fails": (_bol_pack_fails, 3, 0, RuntimeError, "simulated packing failure"),
     "bol_late_pack_fails": (
         _bol_late_pack_fails,

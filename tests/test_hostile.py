@@ -13,18 +13,22 @@ exactly the collectives the attacker issues.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import json
 import os
 import pickle
 import struct
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import pdist
-from pdist import _payload
+from pdist import _payload, _wire
 from pdist.testing import spawn
 
 FIRST = 4096  # pdist's first-chunk size: every crafted message fits it
@@ -44,6 +48,33 @@ class Evil:
 class _BadPid(pickle.Pickler):
     def persistent_id(self, obj):
         return ("storage", "t", 7) if isinstance(obj, Evil) else None
+
+
+class _Storage:
+    """Stands for the storage entry 0 in a crafted skeleton."""
+
+
+class _TensorOfStorage:
+    """Pickles as torch's own rebuild of a 1000-element float32 tensor from storage entry 0."""
+
+    def __reduce__(self):
+        args = (_Storage(), 0, (1000,), (1,), False, collections.OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+class _StoragePid(pickle.Pickler):
+    def __init__(self, file, pid):
+        super().__init__(file, protocol=2)
+        self.pid = pid
+
+    def persistent_id(self, obj):
+        return self.pid if isinstance(obj, _Storage) else None
+
+
+def _skeleton_with_pid(pid) -> bytes:
+    buf = io.BytesIO()
+    _StoragePid(buf, pid).dump({"t": _TensorOfStorage()})
+    return buf.getvalue()
 
 
 def _prefix_body(header: bytes, skeleton: bytes = b"", blob: bytes = b"", count: int = 0) -> bytes:
@@ -68,6 +99,8 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
     bad_pid = __import__("io").BytesIO()
     _BadPid(bad_pid, protocol=2).dump({"x": Evil(marker)})
     empty = {"s": len(evil), "d": [], "b": [], "t": [], "z": 0, "k": 1}
+    oob = _skeleton_with_pid(("storage", 3))  # no entries travelled
+    typed = _skeleton_with_pid(("storage", "s", 0, "float32"))
     record = [0, 0, -1, 0, [1]]
     return [
         ("pickled error marker", ERROR, evil),
@@ -101,6 +134,27 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
             _json_body({**empty, "d": ["int64"], "t": [[0, 1, -1, 0, [1]]]}, evil, b"\0" * 8),
         ),
         ("sparse index out of range", OK, _sparse_body()),
+        (
+            "persistent id out of range",
+            OK,
+            _json_body({**empty, "s": len(oob)}, oob),
+        ),
+        (
+            "storage of the wrong size",
+            OK,
+            # A 3-byte storage (inline) that the skeleton rebuilds as 1000 float32 elements.
+            _json_body(
+                {**empty, "s": len(typed), "d": ["uint8"], "t": [[0, 8, -1, 0, [3]]]},
+                typed,
+                b"abc",
+            ),
+        ),
+        ("header nested too deeply", OK, _prefix_body(b"[" * 1500 + b"]" * 1500)),
+        (
+            "dims past int64",
+            OK,
+            _json_body({**empty, "d": ["float32"], "t": [[0, 0, -1, 0, [0, 1 << 64]]]}, evil),
+        ),
     ]
 
 
@@ -135,7 +189,10 @@ def _attack(ctx, path: str, status: int, body: bytes) -> None:
             raw = torch.frombuffer(bytearray(body), dtype=torch.uint8)
             dist.gather(raw, None, dst=1, group=pg)
     elif path == "message_queue":
-        ctx.mq_group.header_transport.broadcast_bytes(ctx.mq_group, body, 0)
+        # The writer's ring slot gets the raw message (error frames included), not a framing of it.
+        raw = struct.pack("<Bq", status, len(body)) + body
+        with mock.patch.object(_wire, "frame", return_value=raw):
+            ctx.mq_group.header_transport.broadcast_bytes(ctx.mq_group, b"", 0)
 
 
 def _receive(ctx, path: str) -> None:
@@ -168,13 +225,13 @@ class _Ctx:
 def _hostile_rank(path: str, marker: str) -> list[tuple[str, str]]:
     outcomes = []
     with pdist.distributed(timeout=30) as ctx:
-        mq = pdist.message_queue(ctx.world) if path == "message_queue" else None
-        group = mq.__enter__() if mq is not None else None
-        try:
-            c = _Ctx(ctx, group)
-            for name, status, body in _messages(marker):
-                if path == "message_queue" and status != OK:
-                    continue  # the queue frames what it is given: no raw error frames
+        for name, status, body in _messages(marker):
+            # A refused slot poisons a queue (by design): each message gets a fresh one.
+            with contextlib.ExitStack() as stack:
+                group = None
+                if path == "message_queue":
+                    group = stack.enter_context(pdist.message_queue(ctx.world))
+                c = _Ctx(ctx, group)
                 if ctx.rank == 0:
                     _attack(c, path, status, body)
                     continue
@@ -186,10 +243,7 @@ def _hostile_rank(path: str, marker: str) -> list[tuple[str, str]]:
                     outcomes.append((name, f"{type(exc).__name__}: {exc}"))
                 else:
                     outcomes.append((name, "returned"))
-            pdist.barrier(ctx)
-        finally:
-            if mq is not None:
-                mq.__exit__(None, None, None)
+        pdist.barrier(ctx)
     return outcomes
 
 
@@ -206,6 +260,10 @@ EXPECTED = {
     "inline past the end": "past the end of the body",
     "grad on an int": "requires_grad on a torch.int64",
     "sparse index out of range": "sparse tensor is invalid",
+    "persistent id out of range": "unexpected persistent id ('storage', 3)",
+    "storage of the wrong size": "needs 4000 bytes of a storage of which 3 travelled",
+    "dims past int64": "tensor record",
+    "header nested too deeply": "the header nests too deeply",
 }
 
 PATHS = [
@@ -230,3 +288,227 @@ def test_hostile_peer_runs_no_code(path):
     for name, outcome in outcomes:
         assert outcome.startswith("PdistError: "), (name, outcome)
         assert EXPECTED[name] in outcome, (name, outcome)
+
+
+# --------------------------------------------------------------------------- sizes and layouts
+# The attacker now follows pdist's protocol after its crafted message (the status steps), so
+# that the victim's refusal shows as an error rather than a wait.
+
+HUGE = 1 << 60  # bytes: no machine allocates this
+
+
+def _refused(fn) -> None:
+    """Run the attacker's part of a status step the victim fails (its RemoteError expected)."""
+    try:
+        fn()
+    except _wire.RemoteError:
+        return
+    raise AssertionError("the victim reported no failure")
+
+
+def _announce(ctx, path: str, length: int) -> None:
+    """Rank 0: a first chunk announcing ``length`` body bytes, then the status step if any."""
+    world, pg = ctx.world, ctx.world.cpu_group
+    chunk = torch.zeros(FIRST, dtype=torch.uint8)
+    head = struct.pack("<Bq", OK, length)
+    chunk[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    if path == "broadcast_object":
+        dist.broadcast(chunk, src=0, group=pg)
+    elif path == "recv_object":
+        dist.send(chunk, dst=1, group=pg)
+    elif path == "all_gather_object":
+        dist.all_gather([torch.empty(FIRST, dtype=torch.uint8) for _ in range(2)], chunk, group=pg)
+    elif path == "gather_object":
+        row = torch.tensor([0, length, 0, 0], dtype=torch.int64)
+        dist.all_gather([torch.empty(4, dtype=torch.int64) for _ in range(2)], row, group=pg)
+    if length < 0:
+        return  # refused on sight
+    if path == "recv_object":
+        _refused(lambda: _wire.recv_bytes(world, 1))  # the victim's status reply
+    else:
+        _refused(lambda: _wire.settle(world, None, what="attack"))
+
+
+SIZE_PATHS = ["broadcast_object", "recv_object", "all_gather_object", "gather_object"]
+
+
+def _sizes_rank(path: str) -> list[tuple[int, str]]:
+    outcomes = []
+    with pdist.distributed(timeout=30) as ctx:
+        lengths = [HUGE, (1 << 63) - 1] + ([-100] if path == "all_gather_object" else [])
+        for length in lengths:
+            if ctx.rank == 0:
+                _announce(ctx, path, length)
+                continue
+            try:
+                _receive(ctx, path)
+            except pdist.PdistError as exc:
+                outcomes.append((length, f"PdistError: {exc}"))
+            except Exception as exc:
+                outcomes.append((length, f"{type(exc).__name__}: {exc}"))
+            else:
+                outcomes.append((length, "returned"))
+        pdist.barrier(ctx)
+    return outcomes
+
+
+@pytest.mark.parametrize("path", SIZE_PATHS)
+def test_absurd_lengths_raise_pdist_errors(path):
+    """A length no buffer can hold is a PdistError after the status step; negative is corrupt."""
+    _, outcomes = spawn(_sizes_rank, 2, path, timeout=120)
+    assert outcomes
+    for length, outcome in outcomes:
+        assert outcome.startswith("PdistError: "), (length, outcome)
+        if length < 0:
+            assert "truncated message" in outcome, outcome
+        else:
+            assert "failed on rank 1" in outcome, outcome
+            assert "could not allocate" in outcome, outcome
+
+
+def _layouts() -> list[tuple[str, bytes, int | None, str]]:
+    """``(name, body, bucket bytes the attacker then sends or None, expected text)``."""
+    skeleton = pickle.dumps({"x": 1}, protocol=2)
+    base = {"s": len(skeleton), "d": ["float32"], "b": [], "t": [], "z": 0, "k": 1}
+
+    def body(header: dict, count: int | None = None) -> bytes:
+        n = len(header["b"]) if count is None else count
+        return _json_body(header, skeleton, count=n)
+
+    return [
+        (
+            "bucket count that disagrees with the header",
+            body(base, count=1),
+            None,
+            "does not hold the 1 buckets announced",
+        ),
+        (
+            "bucket larger than its tensors",
+            body({**base, "b": [["cpu", 1 << 40]], "t": [[0, 0, 0, 0, [1]]]}),
+            None,
+            "bucket 0 of 1099511627776 bytes for tensors ending at 4",
+        ),
+        (
+            "bucket without tensors",
+            body({**base, "b": [["cpu", 64]]}),
+            None,
+            "bucket 0 of 64 bytes for tensors ending at -1",
+        ),
+        (
+            "late status with one bucket",
+            body({**base, "b": [["cpu", 4]], "t": [[0, 0, 0, 0, [1]]], "z": 1}),
+            None,
+            "late status flag 1 with 1 buckets",
+        ),
+        (
+            "overlapping places",
+            body({**base, "b": [["cpu", 12]], "t": [[0, 0, 0, 0, [2]], [0, 0, 0, 4, [2]]]}),
+            12,
+            "corrupt bucket layout",
+        ),
+        (
+            "unaligned offset",
+            body({**base, "b": [["cpu", 6]], "t": [[0, 0, 0, 2, [1]]]}),
+            6,
+            "corrupt bucket layout",
+        ),
+    ]
+
+
+def _layouts_rank(safe: bool) -> list[tuple[str, str]]:
+    outcomes = []
+    with pdist.distributed(timeout=30) as ctx:
+        pg = ctx.world.cpu_group
+        for name, message, nbytes, _ in _layouts():
+            if ctx.rank == 0:
+                dist.broadcast(_frame(OK, message), src=0, group=pg)
+                if nbytes is None:  # the victim refuses the header: its status says so
+                    _refused(lambda: _wire.settle(ctx.world, None, what="attack"))
+                else:
+                    _wire.settle(ctx.world, None, what="attack")
+                    dist.broadcast(torch.zeros(nbytes, dtype=torch.uint8), src=0, group=pg)
+                continue
+            try:
+                pdist.broadcast_object(ctx, None, safe=safe)
+            except pdist.PdistError as exc:
+                outcomes.append((name, f"PdistError: {exc}"))
+            except Exception as exc:
+                outcomes.append((name, f"{type(exc).__name__}: {exc}"))
+            else:
+                outcomes.append((name, "returned"))
+        pdist.barrier(ctx)
+    return outcomes
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_corrupt_bucket_layouts_raise_pdist_errors(safe):
+    """Headers whose buckets cannot be right are refused before allocating, with either safe."""
+    _, outcomes = spawn(_layouts_rank, 2, safe, timeout=120)
+    expected = {name: text for name, _, _, text in _layouts()}
+    assert [name for name, _ in outcomes] == list(expected)
+    for name, outcome in outcomes:
+        assert outcome.startswith("PdistError: "), (name, outcome)
+        assert expected[name] in outcome, (name, outcome)
+
+
+def test_padding_on_the_wire_is_zeros():
+    """The padding of a framed chunk is zeros, never this process's stale heap memory."""
+    for _ in range(3):
+        stale = torch.full((FIRST,), 0xAB, dtype=torch.uint8)
+        del stale  # the allocator hands this block out again
+        chunk = _wire.tensor_of(b"ab", FIRST)
+        assert bytes(chunk[:2].tolist()) == b"ab"
+        assert not chunk[2:].any()
+
+
+# --------------------------------------------------------------------------- metadata records
+
+
+def _sync_victim(record):
+    with pdist.distributed(timeout=30) as ctx:
+        if ctx.rank == 0:  # the attacker's record instead of [src, digest]
+            raw = record if isinstance(record, bytes) else json.dumps(record).encode()
+            _wire.all_gather_bytes(ctx.world, raw, what="attack")
+            return None
+        try:
+            pdist.sync_model_states(ctx, torch.nn.Linear(2, 2))
+        except pdist.PdistError as exc:
+            return f"PdistError: {exc}"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "returned"
+
+
+DEEP = b"[" * 1500 + b"]" * 1500  # JSON nested past Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    "record",
+    [5, ["0", "digest"], [0, ["not", "hashable"]], {"a": 1}, DEEP],
+    ids=["int", "str src", "list digest", "dict", "nested too deeply"],
+)
+def test_malformed_sync_records_raise_pdist_errors(record):
+    """sync_model_states refuses a peer's record that is not [src, digest] (or not JSON)."""
+    _, outcome = spawn(_sync_victim, 2, record, timeout=120)
+    assert outcome.startswith("PdistError: "), outcome
+    if record is DEEP:
+        assert "rank 0 sent a record that is not JSON" in outcome, outcome
+    else:
+        assert "rank 0 sent a malformed record" in outcome, outcome
+
+
+def _odd_namespace_queue():
+    with pdist.distributed(timeout=30) as ctx:
+        odd = ["a", "list"] if ctx.rank == 1 else None
+        patch = (
+            mock.patch.object(pdist._mq, "_pid_namespace", return_value=odd)
+            if odd
+            else contextlib.nullcontext()
+        )
+        with patch, pdist.message_queue(ctx.world) as group:
+            return pdist.broadcast_object(group, {"step": 3} if ctx.rank == 0 else None)
+
+
+def test_a_set_up_record_with_an_odd_namespace_is_no_crash():
+    """A peer's pid namespace that is not a string means "unknown": the queue still works."""
+    assert spawn(_odd_namespace_queue, 2, timeout=120) == [{"step": 3}, {"step": 3}]

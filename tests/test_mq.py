@@ -194,6 +194,8 @@ def _mq_one_bad_rank(case: str):
             kwargs = {"chunks": 3}
         elif case == "chunk_bytes=0" and ctx.rank == 1:
             kwargs = {"chunk_bytes": 0}
+        elif case == "chunk_bytes past any file size":
+            kwargs = {"chunk_bytes": 1 << 64}
         elif case == "writer cannot reserve" and ctx.rank == 0:
             reserve = os.posix_fallocate
 
@@ -246,6 +248,11 @@ SET_UP = {
         "RemoteError",
         r"failed on rank 0: PdistError: rank 0 could not reserve \d+ bytes for the ring in "
         r"/dev/shm: \[Errno 28\] No space left on device; give it more room",
+    ),
+    "chunk_bytes past any file size": (
+        "RemoteError",
+        r"failed on rank 0: PdistError: rank 0 could not reserve \d+ bytes for the ring in "
+        r"/dev/shm: Python int too large to convert to C long; give it more room",
     ),
     "reader cannot open": (
         "RemoteError",

@@ -180,6 +180,27 @@ def test_unpicklable_object_raises_on_every_rank(ctx):
     assert all(m == messages for m in same)
 
 
+def _local_function():
+    def step():
+        return 1
+
+    return step
+
+
+@world_sizes(2)
+def test_an_unpicklable_function_says_where_to_define_it(ctx):
+    """A lambda or a local function is a TypeError on every rank that says what to do."""
+    for fn in (lambda: 1, _local_function()):
+        with pytest.raises(
+            pdist.PdistError, match="failed on rank 0: TypeError: cannot pickle"
+        ) as info:
+            pdist.broadcast_object(ctx, fn if ctx.rank == 0 else None)
+        assert isinstance(info.value, TypeError)
+        assert "define those at module level (not as lambdas or inside functions)" in str(
+            info.value
+        )
+
+
 @world_sizes(2)
 def test_send_object_failure_reaches_the_receiver(ctx):
     """An unpicklable object makes both sender and receiver raise."""
@@ -232,6 +253,19 @@ def test_send_recv_tensor_dict(ctx):
         pdist.send_tensor_dict(ctx, d)
     else:
         _check_dict(pdist.recv_tensor_dict(ctx, src=1), 0)
+
+
+@world_sizes(2)
+def test_send_tensor_dict_of_a_mapping_arrives(ctx):
+    """Any Mapping send_tensor_dict accepts arrives as that Mapping (not refused after sending)."""
+    sent = collections.UserDict({"w": torch.arange(2048.0), "step": 3})
+    if ctx.rank == 0:
+        pdist.send_tensor_dict(ctx, sent, dst=1)
+    else:
+        got = pdist.recv_tensor_dict(ctx, src=0)
+        assert type(got) is collections.UserDict
+        assert torch.equal(got["w"], sent["w"])
+        assert got["step"] == 3
 
 
 @world_sizes(4)

@@ -66,8 +66,20 @@ def _staging_fails(ctx):
         pdist.sync_model_states(ctx, model)
 
 
+class _Unreadable(nn.Module):
+    """A module whose states cannot be listed (such as one whose wrapper broke)."""
+
+    def named_parameters(self, *args, **kwargs):
+        raise RuntimeError("simulated unreadable module")
+
+
+def _module_raises(ctx):
+    pdist.sync_model_states(ctx, _Unreadable() if ctx.rank == 1 else _net(ctx.rank))
+
+
 CASES = {
     # name: (function, error type on every rank, text in the message)
+    "module_raises": (_module_raises, RuntimeError, "simulated unreadable module"),
     "model_none": (_bad_model, TypeError, "model=None on rank 1 is not an nn.Module"),
     "meta_model": (
         _meta_model,
