@@ -30,7 +30,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["DEFAULT_WORLDS", "format_table", "measure", "simulate"]
@@ -40,8 +40,11 @@ _TP = 8
 _PER_HOST = 8
 
 
-def _counting(stats: dict[str, int]) -> None:
-    """Wrap torch's communicator-creating calls and all-gathers with counters."""
+def _counting(stats: dict[str, int]) -> Callable[[], None]:
+    """Wrap torch's communicator-creating calls and all-gathers with counters.
+
+    Returns the function that puts torch's own functions back.
+    """
     import torch.distributed as dist
     from torch.distributed import device_mesh, distributed_c10d
 
@@ -67,17 +70,32 @@ def _counting(stats: dict[str, int]) -> None:
         return real_all_gather(out, inp, *args, **kwargs)
 
     patches = {"new_group": new_group, "split_group": split_group}
+    saved: list[tuple[Any, str, Any]] = []
     for module in (dist, distributed_c10d, device_mesh):
         for name, wrapper in patches.items():
             if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
                 setattr(module, name, wrapper)
     for name in ("all_gather_single", "all_gather_into_tensor"):
         if hasattr(dist, name):
+            saved.append((dist, name, getattr(dist, name)))
             setattr(dist, name, all_gather)
 
+    def restore() -> None:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
 
-def simulate(world_size: int, mode: str) -> dict[str, Any]:
-    """Measure one start-up in this process (which must be fresh); see the module docstring."""
+    return restore
+
+
+def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str, Any]:
+    """Measure one start-up in this process; see the module docstring.
+
+    The memory figure is meaningful only in a fresh process (see :func:`measure`).
+    With ``clean_up`` the start-up's groups and the simulated world are destroyed
+    and torch's functions restored afterwards, so that a test can run several
+    simulations in one worker.
+    """
     import gc
     import resource
     import time
@@ -89,26 +107,37 @@ def simulate(world_size: int, mode: str) -> dict[str, Any]:
     rank = world_size // 2 + 3 if world_size > 8 else world_size - 1
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     stats = {"new_group": 0, "split_group": 0, "world_wide": 0, "all_gather_bytes": 0}
-    _counting(stats)
     from torch.distributed.device_mesh import init_device_mesh
 
     from . import _subgroups
     from ._context import distributed
 
+    restore = _counting(stats)
+    splits = _subgroups._splits
     if mode == "pdist-split":
         _subgroups._splits = lambda world: True
-    gc.collect()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.process_time()
-    if mode == "mesh":
-        held: Any = init_device_mesh(
-            "cpu", (world_size // _TP, 1, _TP), mesh_dim_names=("dp", "sp", "tp")
-        )
-    else:
-        held = distributed(tp=_TP)
-        held.__enter__()
-    seconds = time.process_time() - start
-    added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+    try:
+        gc.collect()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = time.process_time()
+        if mode == "mesh":
+            held: Any = init_device_mesh(
+                "cpu", (world_size // _TP, 1, _TP), mesh_dim_names=("dp", "sp", "tp")
+            )
+        else:
+            held = distributed(tp=_TP)
+            held.__enter__()
+        seconds = time.process_time() - start
+        added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+        if clean_up and mode != "mesh":
+            held.__exit__(None, None, None)
+        del held
+    finally:
+        if clean_up:
+            restore()
+            _subgroups._splits = splits
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return {
         "world_size": world_size,
         "mode": mode,
