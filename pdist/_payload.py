@@ -42,7 +42,6 @@ import torch.distributed as dist
 from ._errors import PdistError
 from ._group import Group
 from ._serialize import (
-    Safe,
     TensorSpec,
     dtype_name,
     dtype_of,
@@ -645,13 +644,7 @@ def tensors_of(
     return tensors  # type: ignore[return-value]  # every index was filled
 
 
-def materialize(
-    decoded: Decoded,
-    buckets: Sequence[torch.Tensor],
-    device: torch.device,
-    *,
-    safe: Safe = False,
-) -> Any:
-    """Rebuild the object from a decoded body and its received buckets."""
+def materialize(decoded: Decoded, buckets: Sequence[torch.Tensor], device: torch.device) -> Any:
+    """Rebuild the object from a decoded body and its received buckets (plain unpickling)."""
     tensors = tensors_of(decoded, buckets, device)
-    return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)
+    return loads(decoded.skeleton, tensors, decoded.storage)

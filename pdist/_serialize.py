@@ -42,7 +42,6 @@ __all__ = [
     "loads",
     "rebuild",
     "shaped",
-    "spec_of",
     "tensor_bytes",
 ]
 
@@ -94,17 +93,6 @@ class TensorSpec(NamedTuple):
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
         return math.prod(self.shape) * self.torch_dtype.itemsize
-
-
-def spec_of(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bool, bool]:
-    """The fields of ``t``'s :class:`TensorSpec` as a plain tuple."""
-    return (
-        _NAMES[t.dtype],
-        tuple(t.shape),
-        "cpu" if t.is_cpu else t.device.type,
-        t.requires_grad,
-        type(t) is torch.nn.Parameter,
-    )
 
 
 def resolved(t: torch.Tensor) -> torch.Tensor:

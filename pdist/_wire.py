@@ -50,7 +50,6 @@ __all__ = [
     "bytes_of",
     "exchange",
     "frame",
-    "gather_bytes",
     "padded",
     "recv_bytes",
     "reraise_own",
@@ -347,25 +346,6 @@ def recv_bytes(group: Group, src: int, *, what: str = "recv") -> bytes:
     return unframe(_receive(move, status, group, what), group, what)
 
 
-def _exchange_sizes(group: Group, message: bytes) -> tuple[list[int], bool]:
-    status = message[0]
-    mine = torch.tensor([len(message), status], dtype=torch.int64)
-    rows = [torch.empty(2, dtype=torch.int64) for _ in group.ranks]
-    dist.all_gather(rows, mine, group=group.cpu_group)
-    lengths = [int(r[0]) for r in rows]
-    failed = any(int(r[1]) != _OK for r in rows)
-    return lengths, failed
-
-
-def _all_gather_messages(
-    group: Group, message: bytes, lengths: list[int], what: str
-) -> list[bytes]:
-    longest = max(lengths)
-    outs = [allocate(longest, group, what) for _ in group.ranks]
-    dist.all_gather(outs, tensor_of(message, longest), group=group.cpu_group)
-    return [bytes_of(out, n) for out, n in zip(outs, lengths, strict=True)]
-
-
 def _unframe_all(messages: list[bytes], group: Group, what: str) -> list[bytes]:
     failures = [m for m in messages if m[:1] != bytes([_OK])]  # a truncated one is corrupt
     if failures:
@@ -432,41 +412,6 @@ def all_gather_bytes(
             bytes_of(f, min(n, size)) + (bytes_of(r, n - size) if n > size else b"")
             for f, r, n in zip(firsts, rests, lengths, strict=True)
         ]
-    return _unframe_all(messages, group, what)
-
-
-def gather_bytes(
-    group: Group,
-    payload: bytes | None,
-    dst: int,
-    *,
-    error: BaseException | None = None,
-    what: str = "gather",
-) -> list[bytes] | None:
-    """Every rank's ``payload`` on group index ``dst`` (None elsewhere).
-
-    The size exchange carries each rank's status, so when a rank passes
-    ``error`` every rank switches to an all-gather and raises the same
-    :class:`RemoteError` (as when a rank cannot allocate its buffers for
-    messages of :data:`STATUS_MIN_BYTES` or more).
-    """
-    dst_global = group.global_rank(dst, name="dst")
-    message = frame(payload, error, group.rank)
-    lengths, failed = _exchange_sizes(group, message)
-    if failed or min(lengths) < _HEADER.size:
-        _unframe_all(_all_gather_messages(group, message, lengths, what), group, what)
-    longest = max(lengths)
-    is_dst = group.rank_in_group == dst
-
-    def make() -> list[torch.Tensor]:
-        mine = padded(message, longest, group, what)
-        return [mine, *(allocate(longest, group, what) for _ in group.ranks if is_dst)]
-
-    mine, *outs = allocated(group, longest, make, what)
-    dist.gather(mine, outs if is_dst else None, dst=dst_global, group=group.cpu_group)
-    if not is_dst:
-        return None
-    messages = [bytes_of(out, n) for out, n in zip(outs, lengths, strict=True)]
     return _unframe_all(messages, group, what)
 
 
