@@ -359,30 +359,6 @@ def _validate(
     return spec, leaves
 
 
-def _exchange(g: Group, record: dict[str, Any], error: BaseException | None) -> list[Any]:
-    """Every rank's record; a rank's local ``error`` raises on every rank instead."""
-    if error is not None:
-        _wire.all_gather_bytes(g, None, error=error, what=_WHAT)  # raises on every rank
-    return _wire.exchange(g, record, what=_WHAT)
-
-
-def _fail_together(g: Group, error: BaseException | None) -> None:
-    """One small all-reduce: whether some rank failed; if one did, every rank raises.
-
-    The failure's text then travels as an error marker in a second collective,
-    so every rank raises the same :class:`~pdist.RemoteError` naming the first
-    failing rank.
-    """
-    n = g.world_size
-    flag = torch.tensor([n - 1 - g.rank_in_group if error is not None else -1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g.cpu_group)
-    if int(flag.item()) < 0:
-        return
-    _wire.all_gather_bytes(g, b"", error=error, what=_WHAT)
-    msg = f"collate_batches on group {g.name!r}: a rank failed but sent no error marker"
-    raise PdistError(msg)  # unreachable: the gather above raised on every rank
-
-
 def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     """Gather every rank's evaluation outputs, in dataset order, on every rank.
 
@@ -425,7 +401,7 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
         if spec is None:
             return None
         return _unflatten(spec, iter(torch.cat(c) if len(c) > 1 else c[0] for c in local))
-    records = _exchange(g, _record(spec, names, local), error)
+    records = _wire.exchange(g, _record(spec, names, local), error=error, what=_WHAT)
     counts, present = _parse(g, records)
     spec, leaves = _validate(g, counts, present)
     if spec is None:
@@ -606,7 +582,7 @@ def _gather_leaves(
         error = None
     except Exception as exc:
         starts, error = [], exc
-    _fail_together(g, error)
+    _wire.settle(g, error, what=_WHAT)
     # Packing gather k+1 overlaps gather k's transfer.
     finishes = [start() for start in starts]
     for finish in finishes:

@@ -557,13 +557,6 @@ def _segment_name() -> str:
     return f"{_SEGMENT_PREFIX}{uuid.uuid4().hex}"
 
 
-def _exchange(g: Group, record: dict[str, Any], error: BaseException | None) -> list[Any]:
-    """Every rank's set-up record; a rank's local ``error`` raises on every rank instead."""
-    if error is not None:
-        _wire.all_gather_bytes(g, None, error=error, what=_WHAT)  # raises on every rank
-    return _wire.exchange(g, record, what=_WHAT)
-
-
 def _positive_int(g: Group, records: list[Any], field: str) -> dict[int, int]:
     values = {}
     for rank, record in zip(g.ranks, records, strict=True):
@@ -731,7 +724,7 @@ def _attach(
         "pid": os.getpid(),
         "pid_namespace": _pid_namespace(),
     }
-    plan = _agree(g, _exchange(g, record, error))
+    plan = _agree(g, _wire.exchange(g, record, error=error, what=_WHAT))
     first_host = next(b for b in host_blocks(g) if g.ranks[0] in b)
     others = [r for r in g.ranks if r not in first_host]
     if others:

@@ -493,3 +493,6 @@ def settle(group: Group, error: BaseException | None, *, what: str) -> None:
         if error is not None:
             raise exc from error
         raise
+    # Only a peer that is not pdist raises the flag without sending a marker.
+    msg = f"{what} on group {group.name!r}: a rank reported a failure but sent no error marker"
+    raise PdistError(msg)
