@@ -38,6 +38,7 @@ from . import _wire
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._payload import buffer, layout, process_group, transport_device
+from ._serialize import dtype_name, dtype_of
 from ._wire import all_gather_into
 
 __all__ = ["EvalSampler", "collate_batches"]
@@ -224,23 +225,12 @@ class _Leaf(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype | None:
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
 def _record(spec: Spec, names: list[str], local: list[list[torch.Tensor]]) -> dict[str, Any]:
     """This rank's metadata: plain data (the exchange carries JSON; tuples arrive as lists)."""
     return {
         "spec": spec,
         "names": names,
-        "leaves": [
-            [_dtype_name(c[0].dtype), list(c[0].shape[1:]), c[0].device.type] for c in local
-        ],
+        "leaves": [[dtype_name(c[0].dtype), list(c[0].shape[1:]), c[0].device.type] for c in local],
         "count": sum(t.shape[0] for t in local[0]) if local else 0,
     }
 
@@ -339,14 +329,15 @@ def _validate(
             values = {r: rec[2][i][field] for r, rec in present.items()}
             if len(set(values.values())) > 1:
                 raise RankMismatchError(_disagreement(f"the {label} of leaf {name}", values))
-        dtype_name, shape, device_type = first_leaves[i]
-        dtype = _dtype(dtype_name)
-        if dtype is None:
+        sent_dtype, shape, device_type = first_leaves[i]
+        try:
+            dtype = dtype_of(sent_dtype)
+        except PdistError:
             msg = (
-                f"collate_batches on group {g.name!r}: leaf {name} has dtype {dtype_name!r}, "
+                f"collate_batches on group {g.name!r}: leaf {name} has dtype {sent_dtype!r}, "
                 "which this rank's torch does not know; run one torch version on every rank"
             )
-            raise PdistError(msg)
+            raise PdistError(msg) from None
         leaves.append(_Leaf(dtype, shape, device_type))
     total, world = sum(counts), g.world_size
     expected = [len(range(r, total, world)) for r in range(world)]
