@@ -28,6 +28,7 @@ __all__ = [
     "broadcast_tree",
     "global_rank_of",
     "raise_local",
+    "settle_or_raise",
 ]
 
 DEFAULT_MIN_TENSOR_BYTES = 1024
@@ -72,6 +73,21 @@ def raise_local(error: BaseException, group: Group, what: str) -> NoReturn:
         raise error
     _wire.reraise_own(error, group, what, group.rank)
     raise error  # unreachable: reraise_own raised
+
+
+def settle_or_raise(
+    group: Group, failure: BaseException | None, *, status: bool, what: str
+) -> None:
+    """Report this rank's local ``failure``: through the status all-reduce when ``status``.
+
+    ``status`` (buckets follow) must be known alike on every rank; then every
+    rank raises if one failed (``_wire.settle``). Without it no
+    collective follows, nobody waits, and only the failing rank raises.
+    """
+    if status:
+        _wire.settle(group, failure, what=what)
+    elif failure is not None:
+        raise_local(failure, group, what)
 
 
 def broadcast_tree(
@@ -159,10 +175,8 @@ def broadcast_tree(
                     flat = encoded.unpacked(i + 1)
         for work in works:
             work.wait()
-        if encoded.late_status:
-            _wire.settle(group, failure, what=what)
-        elif failure is not None:  # a lone bucket sends the tensor itself: nothing to pack
-            raise_local(failure, group, what)
+        # Without a late status the later buckets are lone tensors sent in place (no packing).
+        settle_or_raise(group, failure, status=encoded.late_status, what=what)
         return obj
     body = send_header(group, None, src, what=what)
     source = f"rank {src_global} (the source of {what})"
@@ -176,10 +190,7 @@ def broadcast_tree(
             buffers = _payload.empty_buckets(decoded, group.device)
         except Exception as exc:
             failure = exc
-    if count:
-        _wire.settle(group, failure, what=what)
-    elif failure is not None:
-        raise_local(failure, group, what)
+    settle_or_raise(group, failure, status=count > 0, what=what)
     assert decoded is not None  # set whenever no failure was raised
     works = [
         _transfer(group, bucket, data, src_global)
@@ -196,10 +207,8 @@ def broadcast_tree(
     # Unpickling waits for the data, since a leaf's __setstate__ may read the tensors it holds.
     for work in works:
         work.wait()
-    if decoded.late_status:  # whether the source packed every later bucket
-        _wire.settle(group, late, what=what)
-    elif late is not None:
-        raise_local(late, group, what)
+    # A late status says whether the source packed every later bucket.
+    settle_or_raise(group, late, status=decoded.late_status, what=what)
     return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)  # type: ignore[arg-type]
 
 

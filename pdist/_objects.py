@@ -33,6 +33,7 @@ from ._broadcast import (
     broadcast_tree,
     global_rank_of,
     raise_local,
+    settle_or_raise,
 )
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
@@ -241,10 +242,7 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
         sends = _pack_own(g, encoded, regions)
     except Exception as exc:
         failure = exc
-    if any(counts):
-        _wire.settle(g, failure, what=what)
-    elif failure is not None:
-        raise_local(failure, g, what)
+    settle_or_raise(g, failure, status=any(counts), what=what)
     works = []
     for kind, reg in regions.items():
         pg = _payload.process_group(g, kind)
@@ -387,10 +385,7 @@ def gather_object(
             sends = _own_sends(g, encoded, regions)
     except Exception as exc:
         failure = exc
-    if buckets_follow:
-        _wire.settle(g, failure, what=what)
-    elif failure is not None:
-        raise_local(failure, g, what)
+    settle_or_raise(g, failure, status=buckets_follow, what=what)
     works = []
     me = g.rank_in_group
     for kind, reg in regions.items():
