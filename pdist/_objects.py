@@ -443,11 +443,9 @@ def _own_sends(
 
 
 def _point_to_point_peer(g: Group, index: int | None, default_global: int, name: str) -> int:
-    if index is None:
-        peer = g.peer_index(index, default_global, name)
-    else:
-        global_rank_of(g, index, name)
-        peer = g.peer_index(index, default_global, name)
+    if index is not None:
+        global_rank_of(g, index, name)  # its error names the calling rank too
+    peer = g.peer_index(index, default_global, name)
     if peer == g.rank_in_group:
         msg = (
             f"{name}={peer} on rank {g.rank} is this rank itself; pass another group index "
