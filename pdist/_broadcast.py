@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import _payload, _wire
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
-from ._serialize import Safe, check_safe, loads
+from ._serialize import Safe, loads, safe_or_error
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -126,10 +126,7 @@ def broadcast_tree(
     """
     src_global = global_rank_of(group, src, "src")
     if error is None:
-        try:
-            safe = check_safe(safe, group.rank)
-        except TypeError as exc:
-            error = exc
+        safe, error = safe_or_error(safe, group.rank)
     if group.world_size == 1:
         if error is not None:
             raise error

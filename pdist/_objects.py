@@ -37,7 +37,7 @@ from ._broadcast import (
 )
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._serialize import Safe, check_safe, loads
+from ._serialize import Safe, loads, safe_or_error
 
 __all__ = [
     "all_gather_object",
@@ -60,13 +60,6 @@ def _wait(works: list[Any]) -> None:
             work.wait()
 
 
-def _safe_or_error(safe: object, rank: int) -> tuple[Safe, BaseException | None]:
-    try:
-        return check_safe(safe, rank), None
-    except TypeError as exc:
-        return False, exc
-
-
 def _encode_for_gather(
     g: Group, obj: Any, safe: object
 ) -> tuple[Safe, _payload.Encoded | None, BaseException | None]:
@@ -75,7 +68,7 @@ def _encode_for_gather(
     Each rank's tensors go in one bucket per transport (aligned, so that the
     gathered regions can be cut into ranks' buckets).
     """
-    checked, error = _safe_or_error(safe, g.rank)
+    checked, error = safe_or_error(safe, g.rank)
     if error is not None:
         return checked, None, error
     try:
@@ -534,7 +527,7 @@ def _recv_payload(
     """Receive what :func:`_send_payload` sent from group index ``peer``."""
     safe_checked: Safe = False
     if error is None:
-        safe_checked, error = _safe_or_error(safe, g.rank)
+        safe_checked, error = safe_or_error(safe, g.rank)
     splitting = split is not None and split.world_size > 1
     header_error: BaseException | None = None
     body = b""

@@ -41,6 +41,7 @@ __all__ = [
     "dumps",
     "loads",
     "rebuild",
+    "safe_or_error",
     "shaped",
     "tensor_bytes",
 ]
@@ -236,6 +237,14 @@ def check_safe(safe: object, rank: int) -> Safe:
         msg = f"safe= on rank {rank} lists {bad[0]!r:.80}, which is not a class; {fix}"
         raise TypeError(msg)
     return classes
+
+
+def safe_or_error(safe: object, rank: int) -> tuple[Safe, TypeError | None]:
+    """:func:`check_safe`'s result and None, or False and its error (to send to the peers)."""
+    try:
+        return check_safe(safe, rank), None
+    except TypeError as exc:
+        return False, exc
 
 
 def _persistent_loader(
