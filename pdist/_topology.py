@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
-from ._wire import bytes_of
+from ._wire import all_gather_into, bytes_of
 
 __all__ = [
     "RECORD_BYTES",
@@ -108,8 +108,7 @@ def _gather_records(group: Group, mine: bytes) -> bytes:
     pg = group.cpu_group
     out = torch.empty(n * RECORD_BYTES, dtype=torch.uint8)
     src = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, src, group=pg)
+    all_gather_into(out, src, pg)
     if str(dist.get_backend(pg)) == "fake":  # the simulated all-gather moved no data
         return _simulated(mine, n, group.rank_in_group)
     return bytes_of(out)
