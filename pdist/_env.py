@@ -306,7 +306,7 @@ def _check_rank_arg(name: str, value: object) -> None:
 
 
 def _not_available(device: object, kind: str) -> ValueError:
-    label = "CUDA" if kind == "cuda" else kind.upper()
+    label = kind.upper()
     msg = f"device={device!r} needs {label}, which is not available; use device='cpu'"
     return ValueError(msg)
 
@@ -316,7 +316,7 @@ def _in_range(
 ) -> torch.device:
     if index < accelerator.count:
         return torch.device(kind, index)
-    label = "CUDA" if kind == "cuda" else kind.upper()
+    label = kind.upper()
     if from_local_rank:
         msg = (
             f"LOCAL_RANK={index} has no {kind} device: only {accelerator.count} {label} "
@@ -374,7 +374,7 @@ def _resolve_backend(
     needs = _BACKEND_DEVICE.get(backend)
     if needs is not None and device.type not in ((needs,) if isinstance(needs, str) else needs):
         kind = needs if isinstance(needs, str) else needs[0]
-        label = "CUDA" if kind == "cuda" else kind.upper()
+        label = kind.upper()
         available = accelerator is not None and accelerator.type == kind
         msg = (
             f"backend={backend!r} needs a {label} device, but the device is {str(device)!r}"
