@@ -584,9 +584,9 @@ def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
             slice(None) if "tp" in names else t,
         ]
     mesh = grid[tuple(index)].contiguous()
-    groups = [getattr(ctx, axis).device_group for axis in names]
+    groups = [getattr(ctx, axis).device_group for axis in names]  # two or more
     return DeviceMesh.from_group(
-        groups if len(groups) > 1 else groups[0],
+        groups,
         ctx.device.type,
         mesh=mesh,
         mesh_dim_names=names,
