@@ -404,6 +404,30 @@ def _all_to_all_impl(
     return _result(_launch_all_to_all(group, x, scatter_dim, gather_dim), async_op)
 
 
+def _in_place(
+    group: Group,
+    x: torch.Tensor,
+    traced: Callable[[], torch.Tensor],
+    run: Callable[[torch.Tensor], None],
+) -> torch.Tensor:
+    """Run an in-place collective on ``x``; returns ``x``.
+
+    Eager: ``run`` on ``x`` itself, or on a contiguous copy that is then
+    written back. While tracing: ``x`` overwritten with ``traced()`` (or with
+    the op that raises when the graph runs, on a closed group).
+    """
+    if _compiling():
+        result = _closed_result(group, x, list(x.shape))
+        return x.copy_(traced() if result is None else result)
+    buf = _local(x)
+    target = buf if buf.is_contiguous() else buf.contiguous()
+    with torch.no_grad():
+        run(target)
+        if target is not buf:
+            buf.copy_(target)
+    return x
+
+
 # --------------------------------------------------------------------------- autograd
 
 
@@ -545,20 +569,13 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
     if g.world_size == 1:
         return x
-    if _compiling():
-        result = _closed_result(g, x, list(x.shape))
-        if result is None:
-            result = _traced_all_reduce(g, x, op)
-        return x.copy_(result)
-    buf = _local(x)
-    target = buf if buf.is_contiguous() else buf.contiguous()
-    with torch.no_grad():
+
+    def reduce(target: torch.Tensor) -> None:
         dist.all_reduce(target, op=_OPS[op], group=g.device_group)
         if op == "mean":
             target.div_(g.world_size)
-        if target is not buf:
-            buf.copy_(target)
-    return x
+
+    return _in_place(g, x, lambda: _traced_all_reduce(g, x, op), reduce)
 
 
 def all_gather(
@@ -728,21 +745,17 @@ def _broadcast_into(group: Group, x: torch.Tensor, src: int) -> torch.Tensor:
     src_global = group.global_rank(src)
     if group.world_size == 1:
         return x
-    if _compiling():
-        result = _closed_result(group, x, list(x.shape))
-        if result is None:
-            fc = _funcol()
-            pg = group.device_group
-            root = dist.get_group_rank(pg, src_global)  # functional collectives take the pg's rank
-            result = fc.wait_tensor(fc.broadcast(x, root, pg))
-        return x.copy_(result)
-    buf = _local(x)
-    target = buf if buf.is_contiguous() else buf.contiguous()
-    with torch.no_grad():
+
+    def traced() -> torch.Tensor:
+        fc = _funcol()
+        pg = group.device_group
+        root = dist.get_group_rank(pg, src_global)  # functional collectives take the pg's rank
+        return cast("torch.Tensor", fc.wait_tensor(fc.broadcast(x, root, pg)))
+
+    def run(target: torch.Tensor) -> None:
         dist.broadcast(target, src=src_global, group=group.device_group)
-        if target is not buf:
-            buf.copy_(target)
-    return x
+
+    return _in_place(group, x, traced, run)
 
 
 def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torch.Tensor:
