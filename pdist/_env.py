@@ -361,14 +361,18 @@ def _resolve_device(
 
 
 def _resolve_backend(
-    backend: str | None, device: torch.device, accelerator: Accelerator | None
+    backend: str | None,
+    device: torch.device,
+    accelerator: Accelerator | None,
+    name: str = "backend",
 ) -> str:
+    """``name`` is where ``backend`` came from: the argument, or ``PDIST_BACKEND``."""
     if backend is None:
         if accelerator is not None and device.type == accelerator.type:
             return accelerator.backend
         return DEFAULT_BACKENDS.get(device.type, "gloo")
     if not isinstance(backend, str) or backend.lower() not in KNOWN_BACKENDS:
-        msg = f"backend={backend!r} is not one of {KNOWN_BACKENDS}"
+        msg = f"{name}={backend!r} is not one of {KNOWN_BACKENDS}"
         raise ValueError(msg)
     backend = backend.lower()
     needs = _BACKEND_DEVICE.get(backend)
@@ -377,7 +381,7 @@ def _resolve_backend(
         label = kind.upper()
         available = accelerator is not None and accelerator.type == kind
         msg = (
-            f"backend={backend!r} needs a {label} device, but the device is {str(device)!r}"
+            f"{name}={backend!r} needs a {label} device, but the device is {str(device)!r}"
             + ("" if available else f" ({label} is not available)")
             + "; use backend='gloo' on CPU"
         )
@@ -478,8 +482,9 @@ def resolve_settings(
         raise ValueError(msg)
     layout = make_layout(launch.world_size, tp=tp, sp=sp)
     requested = backend if backend is not None else env_backend(env)
+    source = "backend" if backend is not None else "PDIST_BACKEND"
     resolved_device = _resolve_device(device, requested, launch.local_rank, accelerator)
-    resolved_backend = _resolve_backend(requested, resolved_device, accelerator)
+    resolved_backend = _resolve_backend(requested, resolved_device, accelerator, source)
     if adopted is not None:
         resolved_backend = adopted.backend
     if timeout is None:

@@ -206,6 +206,14 @@ def test_bad_settings_name_the_argument_and_the_fix(kwargs, accelerator, error, 
         _settings(accelerator=accelerator, **kwargs)
 
 
+def test_a_bad_pdist_backend_names_the_variable():
+    """An invalid PDIST_BACKEND is reported as PDIST_BACKEND, not as the backend= argument."""
+    with pytest.raises(ValueError, match=r"PDIST_BACKEND='pigeon' is not one of"):
+        _settings({**TORCHRUN, "PDIST_BACKEND": "pigeon"})
+    with pytest.raises(ValueError, match=r"PDIST_BACKEND='nccl' needs a CUDA device"):
+        _settings({**TORCHRUN, "PDIST_BACKEND": "NCCL"})
+
+
 def test_startup_timeout_sources():
     """startup_timeout: explicit seconds or timedelta, 0 = forever, else the environment."""
     assert _settings(startup_timeout=12).startup_timeout == 12.0
