@@ -35,6 +35,17 @@ FIRST = 4096  # pdist's first-chunk size: every crafted message fits it
 OK, ERROR = 1, 2
 
 
+def _outcome(fn, *args, **kwargs) -> str:
+    """What the victim's ``fn(*args, **kwargs)`` did: a PdistError, another error, or returned."""
+    try:
+        fn(*args, **kwargs)
+    except pdist.PdistError as exc:
+        return f"PdistError: {exc}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
 class Evil:
     """Unpickling it creates a marker file (were it ever unpickled)."""
 
@@ -235,14 +246,7 @@ def _hostile_rank(path: str, marker: str) -> list[tuple[str, str]]:
                 if ctx.rank == 0:
                     _attack(c, path, status, body)
                     continue
-                try:
-                    _receive(ctx if group is None else c, path)
-                except pdist.PdistError as exc:
-                    outcomes.append((name, f"PdistError: {exc}"))
-                except Exception as exc:
-                    outcomes.append((name, f"{type(exc).__name__}: {exc}"))
-                else:
-                    outcomes.append((name, "returned"))
+                outcomes.append((name, _outcome(_receive, ctx if group is None else c, path)))
         pdist.barrier(ctx)
     return outcomes
 
@@ -340,14 +344,7 @@ def _sizes_rank(path: str) -> list[tuple[int, str]]:
             if ctx.rank == 0:
                 _announce(ctx, path, length)
                 continue
-            try:
-                _receive(ctx, path)
-            except pdist.PdistError as exc:
-                outcomes.append((length, f"PdistError: {exc}"))
-            except Exception as exc:
-                outcomes.append((length, f"{type(exc).__name__}: {exc}"))
-            else:
-                outcomes.append((length, "returned"))
+            outcomes.append((length, _outcome(_receive, ctx, path)))
         pdist.barrier(ctx)
     return outcomes
 
@@ -428,14 +425,7 @@ def _layouts_rank(safe: bool) -> list[tuple[str, str]]:
                     _wire.settle(ctx.world, None, what="attack")
                     dist.broadcast(torch.zeros(nbytes, dtype=torch.uint8), src=0, group=pg)
                 continue
-            try:
-                pdist.broadcast_object(ctx, None, safe=safe)
-            except pdist.PdistError as exc:
-                outcomes.append((name, f"PdistError: {exc}"))
-            except Exception as exc:
-                outcomes.append((name, f"{type(exc).__name__}: {exc}"))
-            else:
-                outcomes.append((name, "returned"))
+            outcomes.append((name, _outcome(pdist.broadcast_object, ctx, None, safe=safe)))
         pdist.barrier(ctx)
     return outcomes
 
@@ -470,13 +460,7 @@ def _sync_victim(record):
             raw = record if isinstance(record, bytes) else json.dumps(record).encode()
             _wire.all_gather_bytes(ctx.world, raw, what="attack")
             return None
-        try:
-            pdist.sync_model_states(ctx, torch.nn.Linear(2, 2))
-        except pdist.PdistError as exc:
-            return f"PdistError: {exc}"
-        except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "returned"
+        return _outcome(pdist.sync_model_states, ctx, torch.nn.Linear(2, 2))
 
 
 DEEP = b"[" * 1500 + b"]" * 1500  # JSON nested past Python's recursion limit
