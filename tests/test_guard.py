@@ -97,24 +97,6 @@ def test_block_outliving_the_deadline_exits_93():
         assert "none (all checked in)" in r.output
 
 
-TWO_HOSTS = """
-    import pdist
-    with pdist.distributed() as ctx:
-        print("NODE", list(ctx.node.ranks), flush=True)
-        print("SAME", pdist.same_node_ranks(ctx, source_rank=2), flush=True)
-"""
-
-
-def test_two_simulated_hosts_give_two_node_groups():
-    """Each host's ranks share /dev/shm only with each other: node groups [0,1] and [2,3]."""
-    results = run_ranks(TWO_HOSTS, 4, timeout=120, hosts=[[0, 1], [2, 3]])
-    for r in results:
-        assert r.returncode == 0, r.output
-        expected = [0, 1] if r.rank < 2 else [2, 3]
-        assert f"NODE {expected}" in r.output
-        assert "SAME [2, 3]" in r.output
-
-
 UNEVEN_HOSTS = """
     import pdist
     try:

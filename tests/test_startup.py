@@ -373,17 +373,24 @@ NODES = """
     import pdist
     with pdist.distributed() as ctx:
         print("NODE", list(ctx.node.ranks), flush=True)
+        print("SAME", pdist.same_node_ranks(ctx, source_rank=2), flush=True)
 """
 
 
 @pytest.mark.parametrize("hosts", [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])
 def test_node_groups_on_blocked_and_cyclic_hosts(hosts):
-    """Ranks placed in blocks or round-robin over two hosts get their host's ranks."""
+    """Ranks placed in blocks or round-robin over two hosts get their host's ranks.
+
+    Each host's ranks share /dev/shm only with each other; every rank also
+    agrees on which ranks share rank 2's host.
+    """
     results = run_ranks(NODES, 4, timeout=120, hosts=hosts)
+    with_2 = next(h for h in hosts if 2 in h)
     for r in results:
         assert r.returncode == 0, r.output
         mine = next(h for h in hosts if r.rank in h)
         assert f"NODE {sorted(mine)}" in r.output
+        assert f"SAME {sorted(with_2)}" in r.output
 
 
 PROBE_FAILS = """
