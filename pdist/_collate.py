@@ -459,13 +459,19 @@ def _plan(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[lis
 
 
 def _pack(call: _Call, run: list[int], mine: torch.Tensor, offsets: list[int]) -> None:
-    """This rank's batches of each leaf of ``run``, concatenated at its byte offset in ``mine``."""
-    if not call.samples:
-        return
-    for i, offset in zip(run, offsets, strict=True):
+    """This rank's batches of each leaf of ``run``, concatenated at its byte offset in ``mine``.
+
+    The bytes no leaf fills (padding rows, alignment gaps) are zeroed: what
+    goes on the wire never carries leftover process memory to the peers.
+    """
+    ends = [*offsets[1:], mine.numel()]
+    for i, offset, end in zip(run, offsets, ends, strict=True):
         spec = call.specs[i]
-        start = mine[offset : offset + call.samples * spec.nbytes].view(spec.dtype)
-        torch.cat(call.local[i], out=start.view(call.samples, *spec.shape))  # one copy
+        filled = offset + call.samples * spec.nbytes
+        if call.samples:
+            start = mine[offset:filled].view(spec.dtype)
+            torch.cat(call.local[i], out=start.view(call.samples, *spec.shape))  # one copy
+        mine[filled:end].zero_()
 
 
 def _gather_rows(call: _Call, pg: dist.ProcessGroup, run: list[int]) -> Start:
@@ -513,7 +519,7 @@ def _gather_packed(
     """
     world, rows = call.world, call.rows
     offsets, size = layout([rows * call.specs[i].nbytes for i in run])
-    # Padding rows and alignment gaps are never read back: left uninitialized.
+    # Padding rows and alignment gaps are never read back (_pack zeroes them).
     mine = buffer(size, device)
     gathered = buffer(world * size, device)
 

@@ -318,3 +318,24 @@ def test_one_bad_rank_fails_every_rank_within_seconds(case):
     assert re.search(pattern, messages.pop()), results
     assert all(seconds < 10 for _, _, seconds, _ in results), results
     assert all(in_step for *_, in_step in results)
+
+
+@pytest.mark.parametrize("samples", [0, 3])
+def test_packing_zeroes_the_bytes_no_sample_fills(samples):
+    """Padding rows and alignment gaps go on the wire as zeros, never as leftover memory."""
+    from pdist._collate import _Call, _Leaf, _pack
+    from pdist._payload import layout
+
+    specs = [_Leaf(torch.float32, [3], "cpu"), _Leaf(torch.int64, [], "cpu")]
+    local = [[torch.arange(3.0 * samples).view(samples, 3) + 1], [torch.arange(samples) + 7]]
+    rows = 4  # another rank holds 4 samples: this rank sends 4 - samples padding rows
+    call = _Call(local, specs, world=2, rows=rows, samples=samples, total=rows + samples)
+    offsets, size = layout([rows * s.nbytes for s in specs])
+    mine = torch.full((size,), 0xAB, dtype=torch.uint8)
+    _pack(call, [0, 1], mine, offsets)
+    expected = torch.zeros(size, dtype=torch.uint8)
+    for spec, offset, tensors in zip(specs, offsets, local, strict=True):
+        data = torch.cat(tensors).view(torch.uint8).flatten()
+        expected[offset : offset + data.numel()] = data
+        assert data.numel() == samples * spec.nbytes
+    assert torch.equal(mine, expected)
