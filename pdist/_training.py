@@ -6,6 +6,7 @@ import contextlib
 import gc
 import hashlib
 import importlib
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -388,7 +389,23 @@ def _local_states(
             "(model.to_empty(device=...) and initialize), or list them in ignore="
         )
         raise ValueError(msg)
+    sharded = [n for n, t in states if _is_dtensor(t)]
+    if sharded:
+        msg = (
+            f"model on rank {rank} holds DTensor parameters or buffers ({sharded[:3]}), as "
+            "fully_shard or tensor parallelism make them: their shards differ per rank by "
+            "design; call sync_model_states before sharding the model, load a full state "
+            "dict with torch.distributed.checkpoint, or list them in ignore="
+        )
+        raise ValueError(msg)
     return states
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (checked without importing torch.distributed.tensor)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return isinstance(dtensor, type) and isinstance(t, dtensor)
 
 
 def _entry(name: str, t: torch.Tensor) -> tuple[str, tuple[int, ...], str, str]:
@@ -431,7 +448,9 @@ def sync_model_states(
     all-reduce that makes a failure while staging them raise everywhere too.
     Tensors that do not live on the group's transport device (such as a CPU
     group's model on another device) are sent from a copy and received into
-    a buffer, then written back into the model's own tensors.
+    a buffer, then written back into the model's own tensors. A model
+    holding DTensors (after ``fully_shard`` or tensor parallelism) is refused
+    on every rank: synchronize it before sharding it.
 
     .. note:: All ranks of the group must call it.
 

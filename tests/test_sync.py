@@ -77,6 +77,17 @@ def _module_raises(ctx):
     pdist.sync_model_states(ctx, _Unreadable() if ctx.rank == 1 else _net(ctx.rank))
 
 
+def _dtensor_model(ctx):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    model = _net(ctx.rank)
+    mesh = pdist.device_mesh(ctx, ("dp",))
+    if ctx.rank == 1:  # as fully_shard or tensor parallelism leave a model
+        weight = DTensor.from_local(model[0].weight.detach(), mesh, [Replicate()], run_check=False)
+        model[0].weight = nn.Parameter(weight)
+    pdist.sync_model_states(ctx, model)
+
+
 CASES = {
     # name: (function, error type on every rank, text in the message)
     "module_raises": (_module_raises, RuntimeError, "simulated unreadable module"),
@@ -92,6 +103,11 @@ CASES = {
     "other_src": (_other_src, pdist.RankMismatchError, "rank 1: src=1"),
     "buffers_flag": (_bad_buffers_flag, TypeError, "broadcast_buffers='yes' on rank 1"),
     "staging_fails": (_staging_fails, RuntimeError, "simulated out of memory"),
+    "dtensor": (
+        _dtensor_model,
+        ValueError,
+        "rank 1 holds DTensor parameters or buffers (['0.weight'",
+    ),
 }
 
 
