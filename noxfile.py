@@ -30,8 +30,11 @@ def _install(session: nox.Session, extras: str = "") -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (multi-rank tests on real gloo processes)."""
-    _install(session, "test")
+    """Run the test suite (multi-rank tests on real gloo processes).
+
+    The docs extra too: a test builds the docs strictly (the porting guide's links).
+    """
+    _install(session, "test,docs")
     session.run("pytest", *session.posargs)
 
 
