@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
+from fail_together import outcome_of
 from torch.utils.data import DataLoader
 
 import pdist
@@ -264,16 +264,14 @@ def _one_bad_rank(case: str):
                 raise RuntimeError("out of memory (simulated)")
 
             pdist._collate.buffer = buffer
-        start = time.monotonic()
-        try:
-            pdist.collate_batches(ctx, batches)
-            outcome = ("returned", "", 0.0)
-        except Exception as exc:
-            outcome = (type(exc).__name__, str(exc), time.monotonic() - start)
-        finally:
-            pdist._collate.buffer = real_buffer
-        in_step = pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
-        return (*outcome, in_step)
+
+        def collate() -> None:
+            try:
+                pdist.collate_batches(ctx, batches)
+            finally:
+                pdist._collate.buffer = real_buffer
+
+        return outcome_of(ctx, collate)
 
 
 # A bad argument stays a TypeError/ValueError on every rank (a RemoteError subclass).
@@ -311,13 +309,12 @@ def test_one_bad_rank_fails_every_rank_within_seconds(case):
     """One rank's bad input (or failed allocation) raises the same error on every rank, quickly."""
     results = pdist.testing.spawn(_one_bad_rank, 3, case)
     kind, pattern = ONE_BAD_RANK[case]
-    kinds = {kind for kind, _, _, _ in results}
-    messages = {text for _, text, _, _ in results}
-    assert kinds == {kind}, results
+    messages = {o.message for o in results}
+    assert {o.type for o in results} == {kind}, results
     assert len(messages) == 1, results
     assert re.search(pattern, messages.pop()), results
-    assert all(seconds < 10 for _, _, seconds, _ in results), results
-    assert all(in_step for *_, in_step in results)
+    assert all(o.seconds < 10 for o in results), results
+    assert all(o.after == [0, 1, 2] for o in results), results
 
 
 @pytest.mark.parametrize("samples", [0, 3])

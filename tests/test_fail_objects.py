@@ -10,11 +10,11 @@ ranks), instead of waiting for the 30 s timeout.
 from __future__ import annotations
 
 import sys
-import time
 from unittest import mock
 
 import pytest
 import torch
+from fail_together import outcome_of
 
 import pdist
 from pdist import _payload
@@ -411,76 +411,53 @@ CASES = {
 
 
 def _run_case(name: str):
-    fn = CASES[name][0]
+    fn, _, _, expected, _ = CASES[name]
     with pdist.distributed(timeout=30) as ctx:
-        start = time.monotonic()
-        try:
-            fn(ctx)
-        except Exception as exc:
-            outcome = {
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "pdist": isinstance(exc, pdist.PdistError),
-                "type_error": isinstance(exc, TypeError),
-                "value_error": isinstance(exc, ValueError),
-            }
-        else:
-            outcome = {"type": "returned"}
-        outcome["seconds"] = time.monotonic() - start
-        # The group is still usable afterwards: nobody is left inside a collective.
-        outcome["after"] = pdist.all_gather_object(ctx, ctx.rank)
-        return outcome
+        return outcome_of(ctx, lambda: fn(ctx), expected)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_one_bad_rank_makes_every_rank_raise_quickly(name):
     """Every participating rank raises the same error type, naming the bad rank, within 10 s."""
-    _, world, bad, expected, text = CASES[name]
+    _, world, bad, _, text = CASES[name]
     outcomes = spawn(_run_case, world, name, timeout=120)
-    types = set()
-    for rank in range(world):
-        out = outcomes[rank]
-        assert out["type"] != "returned", (rank, outcomes)
-        assert out["pdist"], (rank, out)
-        assert f"failed on rank {bad}" in out["message"], (rank, out)
-        assert text in out["message"], (rank, out)
-        assert out["seconds"] < 10, (rank, out)
-        if expected is TypeError:
-            assert out["type_error"], (rank, out)
-        if expected is ValueError:
-            assert out["value_error"], (rank, out)
-        types.add(out["type"])
-        assert out["after"] == list(range(world))
-    assert len(types) == 1, outcomes
+    for rank, out in enumerate(outcomes):
+        assert out.type != "returned", (rank, outcomes)
+        assert out.pdist, (rank, out)
+        assert out.expected, (rank, out)
+        assert f"failed on rank {bad}" in out.message, (rank, out)
+        assert text in out.message, (rank, out)
+        assert out.seconds < 10, (rank, out)
+        assert out.after == list(range(world))
+    assert len({o.type for o in outcomes}) == 1, outcomes
 
 
 def _split_mismatch():
     """Senders split buckets over a TP group of 2; their receivers pass no all_gather_group."""
     with pdist.distributed(timeout=30) as ctx:
         tp = pdist.new_tp_group(ctx, 2)
-        start = time.monotonic()
-        try:
+
+        def transfer() -> None:
             if ctx.rank < 2:
                 pdist.send_tensor_dict(
                     ctx, _payload_with_buckets(), dst=ctx.rank + 2, all_gather_group=tp
                 )
             else:
                 pdist.recv_tensor_dict(ctx, src=ctx.rank - 2)
-        except pdist.PdistError as exc:
-            result = (str(exc), isinstance(exc, ValueError))
-        else:
-            result = ("returned", False)
-        return result, time.monotonic() - start
+
+        return outcome_of(ctx, transfer, ValueError)
 
 
 def test_all_gather_group_sizes_that_differ_fail_on_both_sides():
     """all_gather_group sizes that differ across a send raise on both sides, early."""
     outcomes = spawn(_split_mismatch, 4, timeout=120)
-    for rank, ((message, is_value_error), seconds) in enumerate(outcomes):
-        assert "sent each bucket in 2 part(s)" in message, (rank, message)
-        assert f"failed on rank {rank if rank >= 2 else rank + 2}" in message, (rank, message)
-        assert is_value_error, (rank, message)
-        assert seconds < 10
+    for rank, out in enumerate(outcomes):
+        assert out.pdist, (rank, out)
+        assert "sent each bucket in 2 part(s)" in out.message, (rank, out)
+        assert f"failed on rank {rank if rank >= 2 else rank + 2}" in out.message, (rank, out)
+        assert out.expected, (rank, out)
+        assert out.seconds < 10
+        assert out.after == [0, 1, 2, 3]
 
 
 # --------------------------------------------------------------------------- only the bad rank
@@ -488,56 +465,49 @@ def test_all_gather_group_sizes_that_differ_fail_on_both_sides():
 
 def _tiny_receiver_passes_none():
     with pdist.distributed(timeout=30) as ctx:
-        start = time.monotonic()
-        try:
-            pdist.broadcast_object_list(ctx, None if ctx.rank == 1 else [{"step": 3}])
-        except pdist.PdistError as exc:
-            result = (f"{type(exc).__name__}: {exc}", isinstance(exc, TypeError))
-        else:
-            result = ("returned", False)
-        return result, time.monotonic() - start
+        objs = None if ctx.rank == 1 else [{"step": 3}]
+        return outcome_of(ctx, lambda: pdist.broadcast_object_list(ctx, objs), TypeError)
 
 
 def test_tiny_payload_bad_receiver_raises_alone_and_nobody_waits():
     """Without buckets the bad receiver raises alone; the others return and nobody waits."""
-    outcomes = spawn(_tiny_receiver_passes_none, 3, timeout=120)
-    (source, _), elapsed0 = outcomes[0]
-    (bad, is_type_error), _ = outcomes[1]
-    assert source == "returned"
-    assert outcomes[2][0][0] == "returned"
-    assert "failed on rank 1: TypeError: object_list=None on rank 1" in bad
-    assert is_type_error
-    assert all(seconds < 10 for _, seconds in outcomes)
-    assert elapsed0 < 10
+    source, bad, other = spawn(_tiny_receiver_passes_none, 3, timeout=120)
+    assert source.type == "returned"
+    assert other.type == "returned"
+    assert bad.pdist, bad
+    assert "failed on rank 1: TypeError: object_list=None on rank 1" in bad.message
+    assert bad.expected
+    assert all(o.seconds < 10 for o in (source, bad, other))
+    assert all(o.after == [0, 1, 2] for o in (source, bad, other))
 
 
 def _class_missing_on_receiver():
     with pdist.distributed(timeout=30) as ctx:
         module = sys.modules[__name__]
         objs = [Shipped(torch.ones(BIG))] if ctx.rank == 0 else [None]
-        start = time.monotonic()
-        saved = module.Shipped
-        if ctx.rank == 1:
-            del module.Shipped  # this rank cannot find the class when unpickling
-        try:
-            pdist.broadcast_object_list(ctx, objs)
-        except pdist.PdistError as exc:
-            result = f"PdistError: {exc}"
-        else:
-            result = "returned"
-        finally:
-            module.Shipped = saved
-        return result, time.monotonic() - start
+
+        def receive() -> None:
+            saved = module.Shipped
+            if ctx.rank == 1:
+                del module.Shipped  # this rank cannot find the class when unpickling
+            try:
+                pdist.broadcast_object_list(ctx, objs)
+            finally:
+                module.Shipped = saved
+
+        return outcome_of(ctx, receive)
 
 
 def test_class_missing_on_a_receiver_fails_there_after_the_transfer():
     """A receiver lacking the class raises PdistError after the transfer; nobody waits."""
     outcomes = spawn(_class_missing_on_receiver, 3, timeout=120)
-    assert outcomes[0][0] == "returned"
-    assert outcomes[2][0] == "returned"
-    assert outcomes[1][0].startswith("PdistError: the received object could not be rebuilt")
-    assert "Shipped" in outcomes[1][0]
-    assert all(seconds < 10 for _, seconds in outcomes)
+    assert outcomes[0].type == "returned"
+    assert outcomes[2].type == "returned"
+    assert outcomes[1].type == "PdistError", outcomes[1]
+    assert outcomes[1].message.startswith("the received object could not be rebuilt")
+    assert "Shipped" in outcomes[1].message
+    assert all(o.seconds < 10 for o in outcomes)
+    assert all(o.after == [0, 1, 2] for o in outcomes)
 
 
 # --------------------------------------------------------------------------- conj and neg

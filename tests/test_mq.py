@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from fail_together import outcome_of
 from launcher import raised_after, run_ranks
 
 import pdist
@@ -218,18 +219,16 @@ def _mq_one_bad_rank(case: str):
             name = pdist._mq._segment_name
             pdist._mq._segment_name = lambda: HOSTILE[case]
             undo.append(lambda: setattr(pdist._mq, "_segment_name", name))
-        start = time.monotonic()
-        try:
-            with pdist.message_queue(ctx, **kwargs) as group:
-                pdist.broadcast_object(group, 1 if ctx.rank == 0 else None)
-            outcome = ("entered", "", 0.0)
-        except Exception as exc:
-            outcome = (type(exc).__name__, str(exc), time.monotonic() - start)
-        finally:
-            for step in undo:
-                step()
-        in_step = pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
-        return (*outcome, in_step)
+
+        def enter() -> None:
+            try:
+                with pdist.message_queue(ctx, **kwargs) as group:
+                    pdist.broadcast_object(group, 1 if ctx.rank == 0 else None)
+            finally:
+                for step in undo:
+                    step()
+
+        return outcome_of(ctx, enter)
 
 
 RING = r"/dev/shm/pdist-mq-[0-9a-f]{32}"
@@ -274,11 +273,11 @@ def test_set_up_fails_together(case):
     """One rank's bad part of the set-up raises the same error on every rank within seconds."""
     kind, pattern = SET_UP[case]
     results = pdist.testing.spawn(_mq_one_bad_rank, 3, case)
-    assert {r[0] for r in results} == {kind}, results
-    assert len({r[1] for r in results}) == 1, results
-    assert re.search(pattern, results[0][1]), results
-    assert all(seconds < 10 for _, _, seconds, _ in results), results
-    assert all(in_step for *_, in_step in results)
+    assert {o.type for o in results} == {kind}, results
+    assert len({o.message for o in results}) == 1, results
+    assert re.search(pattern, results[0].message), results
+    assert all(o.seconds < 10 for o in results), results
+    assert all(o.after == [0, 1, 2] for o in results), results
 
 
 SMALL_SHM = """

@@ -7,11 +7,11 @@ raise the same error type, naming rank 1, within 10 s.
 
 from __future__ import annotations
 
-import time
 from unittest import mock
 
 import pytest
 import torch
+from fail_together import outcome_of
 from torch import nn
 
 import pdist
@@ -112,23 +112,9 @@ CASES = {
 
 
 def _run_case(name: str):
-    fn = CASES[name][0]
+    fn, expected, _ = CASES[name]
     with pdist.distributed(timeout=30) as ctx:
-        start = time.monotonic()
-        try:
-            fn(ctx)
-        except Exception as exc:
-            outcome = {
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "pdist": isinstance(exc, pdist.PdistError),
-                "expected": isinstance(exc, CASES[name][1]),
-            }
-        else:
-            outcome = {"type": "returned"}
-        outcome["seconds"] = time.monotonic() - start
-        outcome["after"] = pdist.all_gather_object(ctx, ctx.rank)
-        return outcome
+        return outcome_of(ctx, lambda: fn(ctx), expected)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -137,15 +123,15 @@ def test_one_bad_rank_makes_every_rank_raise_quickly(name):
     _, _, text = CASES[name]
     outcomes = spawn(_run_case, 3, name, timeout=120)
     for rank, out in enumerate(outcomes):
-        assert out["type"] != "returned", (rank, outcomes)
-        assert out["pdist"], (rank, out)
-        assert out["expected"], (rank, out)
-        assert text in out["message"], (rank, out)
+        assert out.type != "returned", (rank, outcomes)
+        assert out.pdist, (rank, out)
+        assert out.expected, (rank, out)
+        assert text in out.message, (rank, out)
         if name != "other_src":
-            assert "failed on rank 1" in out["message"], (rank, out)
-        assert out["seconds"] < 10, (rank, out)
-        assert out["after"] == [0, 1, 2]
-    assert len({o["type"] for o in outcomes}) == 1, outcomes
+            assert "failed on rank 1" in out.message, (rank, out)
+        assert out.seconds < 10, (rank, out)
+        assert out.after == [0, 1, 2]
+    assert len({o.type for o in outcomes}) == 1, outcomes
 
 
 _LAZY_READY: list[bool] = []  # per worker process: the lazy backend initializes once
