@@ -33,9 +33,15 @@ PRELUDE = """
 
         setattr(dist, name, wrapper)
 
-    def report(start, exc):
-        took = time.monotonic() - start
-        print(f"RAISED after {took:.1f}s: {type(exc).__name__}: {exc}", flush=True)
+    def attempt(call):
+        # Run call(); print RETURNED, or how long it took to raise and what.
+        start = time.monotonic()
+        try:
+            call()
+            print("RETURNED", flush=True)
+        except Exception as exc:
+            took = time.monotonic() - start
+            print(f"RAISED after {took:.1f}s: {type(exc).__name__}: {exc}", flush=True)
 
     def shm():
         names = sorted(n for n in os.listdir("/dev/shm") if n.startswith("pdist-"))
@@ -47,12 +53,7 @@ MID_BROADCAST = """
         if ctx.rank == 0:
             die_at("broadcast", 2)  # the header went out; the source dies before the bucket
         items = [torch.arange(1 << 20, dtype=torch.float32), {"step": 1}]
-        start = time.monotonic()
-        try:
-            pdist.broadcast_object_list(ctx, items if ctx.rank == 0 else [None, None])
-            print("RETURNED", flush=True)
-        except Exception as exc:
-            report(start, exc)
+        attempt(lambda: pdist.broadcast_object_list(ctx, items if ctx.rank == 0 else [None, None]))
     shm()
 """
 
@@ -61,12 +62,7 @@ MID_COLLATE = """
         if ctx.rank == 1:
             die_at("all_gather", 2)  # after the metadata exchange, at the data gather
         mine = torch.tensor(list(pdist.EvalSampler(range(3000), ctx)), dtype=torch.float32)
-        start = time.monotonic()
-        try:
-            pdist.collate_batches(ctx, [mine.unsqueeze(1)])
-            print("RETURNED", flush=True)
-        except Exception as exc:
-            report(start, exc)
+        attempt(lambda: pdist.collate_batches(ctx, [mine.unsqueeze(1)]))
     shm()
 """
 
@@ -76,12 +72,7 @@ MID_SYNC = """
         model = torch.nn.Linear(256, 256)
         if ctx.rank == 0:
             die_at("broadcast", 1)  # the fingerprints were exchanged; dies at the first bucket
-        start = time.monotonic()
-        try:
-            pdist.sync_model_states(ctx, model)
-            print("RETURNED", flush=True)
-        except Exception as exc:
-            report(start, exc)
+        attempt(lambda: pdist.sync_model_states(ctx, model))
         del model
     shm()
 """
@@ -93,12 +84,7 @@ MID_QUEUE_WRITER = """
                 pdist.broadcast_object(group, i if ctx.rank == 0 else None)
             if ctx.rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-            start = time.monotonic()
-            try:
-                pdist.broadcast_object(group, None)
-                print("RETURNED", flush=True)
-            except Exception as exc:
-                report(start, exc)
+            attempt(lambda: pdist.broadcast_object(group, None))
     shm()
 """
 
@@ -107,13 +93,12 @@ MID_QUEUE_READER = """
         with pdist.message_queue(ctx, chunks=2) as group:
             if ctx.rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # never reads: the writer runs out of slots
-            start = time.monotonic()
-            try:
+
+            def broadcast_ten():
                 for i in range(10):
                     pdist.broadcast_object(group, i if ctx.rank == 0 else None)
-                print("RETURNED", flush=True)
-            except Exception as exc:
-                report(start, exc)
+
+            attempt(broadcast_ten)
     shm()
 """
 
@@ -127,12 +112,12 @@ MID_QUEUE_SET_UP = """
                 os.kill(os.getpid(), signal.SIGKILL)
 
             os.posix_fallocate = reserve_then_die
-        start = time.monotonic()
-        try:
+
+        def enter():
             with pdist.message_queue(ctx):
                 print("ENTERED", flush=True)
-        except Exception as exc:
-            report(start, exc)
+
+        attempt(enter)
     shm()
 """
 
