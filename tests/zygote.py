@@ -105,11 +105,16 @@ def _run_rank(request: dict[str, Any], rank: int, local_rank: int, local_size: i
         os._exit(code)
 
 
-def _write_status(path: str, status: int) -> None:
-    code = os.waitstatus_to_exitcode(status)
+def _shell_status(wait_status: int) -> int:
+    """A rank's exit status as a shell reports it: its code, or 128 + the signal that ended it."""
+    code = os.waitstatus_to_exitcode(wait_status)
+    return code if code >= 0 else 128 - code
+
+
+def _write_status(path: str, code: int) -> None:
     partial = f"{path}.partial"
     with open(partial, "w") as f:
-        f.write(f"{code if code >= 0 else 128 - code}\n")
+        f.write(f"{code}\n")
     os.rename(partial, path)  # the launcher never reads a half-written status
 
 
@@ -126,7 +131,7 @@ def _lead_host(request: dict[str, Any]) -> None:
                 for rank in ranks:
                     with open(request["logs"][rank], "w") as f:
                         f.write(f"launcher: no private /dev/shm for this host: {exc}\n")
-                    _write_status(request["codes"][rank], _NO_SHM << 8)
+                    _write_status(request["codes"][rank], _NO_SHM)
                 os._exit(_NO_SHM)
         children = {}
         for local_rank, rank in enumerate(ranks):
@@ -137,7 +142,7 @@ def _lead_host(request: dict[str, Any]) -> None:
         while children:
             pid, status = os.wait()
             if pid in children:
-                _write_status(request["codes"][children.pop(pid)], status)
+                _write_status(request["codes"][children.pop(pid)], _shell_status(status))
     finally:
         os._exit(0)
 
