@@ -1,0 +1,449 @@
+"""Every torch private or version-dependent API pdist uses, probed once at import (a leaf).
+
+pdist runs on torch 2.6 and newer. What differs across that range is decided
+here, once, and the rest of the package asks this module instead of torch:
+``FEATURES`` says what this torch offers (``python -m pdist doctor`` prints
+it), and the functions below take the branch that works on it. A feature a
+torch cannot support raises :func:`unsupported`'s error, naming the feature,
+this torch and the first one that has it.
+
+Where a probe would have to call the API to learn whether it works (a call
+that crashes the process on an older torch), the decision is by version, and
+the comment names what breaks there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import pickle
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ._errors import PdistError
+
+__all__ = [
+    "FEATURES",
+    "MIN_TORCH",
+    "TORCH",
+    "Features",
+    "all_gather_into",
+    "default_store",
+    "device_mesh_from_group",
+    "dtensor_type",
+    "dump_flight_recorder",
+    "fsdp_module_type",
+    "fsdp_param_groups",
+    "funcol",
+    "gloo_lazy_init",
+    "is_async_tensor",
+    "l2_fetch_granularity",
+    "parse_version",
+    "reduce_scatter_into",
+    "register_work",
+    "safe_load",
+    "set_l2_fetch_granularity",
+    "sparse_tensors_to_validate",
+    "split_group",
+    "unsupported",
+    "validate_sparse",
+    "work_from_future",
+]
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"2.6.0+cu124"`` or ``"2.13.0a0"``."""
+    parts = text.split("+")[0].split(".")
+    digits = ["".join(c for c in p if c.isdigit()) or "0" for p in parts[:2]]
+    return int(digits[0]), int(digits[1]) if len(digits) > 1 else 0
+
+
+TORCH = parse_version(torch.__version__)
+"""This torch as ``(major, minor)``."""
+
+MIN_TORCH = (2, 6)
+"""The oldest torch pdist supports (the floor its CI runs on)."""
+
+_FUNCOL_MODULE = "torch.distributed._functional_collectives"
+_c10d: Any = torch._C._distributed_c10d
+
+# Before torch 2.13 the binding of _register_work casts the work to torch's Python work
+# class without checking, and dereferences null for a C++ work (gloo's, NCCL's): SIGSEGV.
+# A work implemented in Python is what it expects; pdist wraps the others in one there.
+_REGISTER_NEEDS_PY_WORK = TORCH < (2, 13)
+
+
+@attrs.frozen(kw_only=True)
+class Features:
+    """What this torch offers, as probed at import.
+
+    Attributes:
+        torch: The version, ``(major, minor)``.
+        async_results: How async collective results are registered: ``"native"``, or
+            ``"python work"`` (each work wrapped in a Python ``Work`` first).
+        tensor_collective_names: ``"*_single"`` (torch 2.13's names) or ``"*_tensor"``.
+        split_group: ``torch.distributed.split_group`` exists (used on NCCL).
+        device_mesh_from_group: ``DeviceMesh.from_group`` exists.
+        accelerator_api: ``torch.accelerator`` exists.
+        flight_recorder: The recorder's dump function: ``"_dump_fr_trace"`` (every
+            backend, gloo included), ``"_dump_nccl_trace"`` (NCCL only) or None.
+        flight_recorder_env: The variable that sizes the recorder's buffer.
+        store_clone: ``Store.clone()`` exists (a second connection to the store).
+        sparse_check_pinning: torch's sparse validators take ``check_pinning=``.
+    """
+
+    torch: tuple[int, int]
+    async_results: str
+    tensor_collective_names: str
+    split_group: bool
+    device_mesh_from_group: bool
+    accelerator_api: bool
+    flight_recorder: str | None
+    flight_recorder_env: str
+    store_clone: bool
+    sparse_check_pinning: bool
+
+    def summary(self) -> list[str]:
+        """One ``name: value`` line per feature (what ``pdist doctor`` prints)."""
+        return [f"{f.name}: {getattr(self, f.name)}" for f in attrs.fields(type(self))]
+
+
+def _flight_recorder() -> str | None:
+    for name in ("_dump_fr_trace", "_dump_nccl_trace"):
+        if hasattr(_c10d, name):
+            return name
+    return None
+
+
+def _sparse_takes_check_pinning() -> bool:
+    indices, values = torch.zeros(1, 0, dtype=torch.long), torch.zeros(0)
+    try:
+        torch._validate_sparse_coo_tensor_args(indices, values, (1,), check_pinning=False)
+    except TypeError:
+        return False
+    return True
+
+
+def _probe() -> Features:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    recorder = _flight_recorder()
+    return Features(
+        torch=TORCH,
+        async_results="python work" if _REGISTER_NEEDS_PY_WORK else "native",
+        tensor_collective_names="*_single" if hasattr(dist, "all_gather_single") else "*_tensor",
+        split_group=hasattr(dist, "split_group"),
+        device_mesh_from_group=hasattr(DeviceMesh, "from_group"),
+        accelerator_api=hasattr(torch, "accelerator"),
+        flight_recorder=recorder,
+        # torch renamed TORCH_NCCL_TRACE_BUFFER_SIZE when the recorder learned other backends.
+        flight_recorder_env=(
+            "TORCH_FR_BUFFER_SIZE"
+            if recorder == "_dump_fr_trace"
+            else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+        ),
+        store_clone=hasattr(dist.Store, "clone"),
+        sparse_check_pinning=_sparse_takes_check_pinning(),
+    )
+
+
+FEATURES = _probe()
+"""What this torch offers (probed once, at import)."""
+
+
+def unsupported(feature: str, minimum: tuple[int, int]) -> PdistError:
+    """The error of a feature this torch lacks: names it, this torch and the first that has it."""
+    have = ".".join(map(str, TORCH))
+    need = ".".join(map(str, minimum))
+    msg = f"{feature} needs torch >= {need}; this is torch {have} ({torch.__version__})"
+    return PdistError(msg)
+
+
+# --------------------------------------------------------------------------- collectives
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn there).
+_all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single: Any = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+
+def all_gather_into(
+    out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool = False
+) -> Any:
+    """All-gather ``mine`` from every rank into the contiguous ``out`` (rank-major).
+
+    Returns the work handle when ``async_op``.
+    """
+    return _all_gather_single(out, mine, group=pg, async_op=async_op)
+
+
+def reduce_scatter_into(
+    out: torch.Tensor, full: torch.Tensor, op: Any, pg: dist.ProcessGroup, *, async_op: bool
+) -> Any:
+    """Reduce-scatter the contiguous ``full`` into ``out`` (this rank's chunk)."""
+    return _reduce_scatter_single(out, full, op=op, group=pg, async_op=async_op)
+
+
+def funcol() -> Any:
+    """torch's functional collectives module (imported on first use: it pulls in dynamo)."""
+    return importlib.import_module(_FUNCOL_MODULE)
+
+
+def funcol_all_gather() -> Any:
+    """The functional all-gather of one tensor along a dim (``all_gather_single`` on 2.13)."""
+    fc = funcol()
+    return getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+
+
+def funcol_reduce_scatter() -> Any:
+    """The functional reduce-scatter of one tensor along a dim."""
+    fc = funcol()
+    return getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+
+
+def is_async_tensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` is torch's ``AsyncCollectiveTensor`` (no import when none can exist)."""
+    fc = sys.modules.get(_FUNCOL_MODULE)
+    return fc is not None and isinstance(x, fc.AsyncCollectiveTensor)
+
+
+class _PyWork(dist._Work):  # type: ignore[misc]  # torch's Work is untyped
+    """A work implemented in Python around torch's own (what older ``_register_work`` needs)."""
+
+    def __init__(self, work: Any) -> None:
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is None:
+            return bool(self._work.wait())
+        return bool(self._work.wait(timeout))
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+
+def register_work(tensor: torch.Tensor, work: Any) -> None:
+    """Make ``tensor``'s first use as an ``AsyncCollectiveTensor`` wait on ``work``."""
+    _c10d._register_work(tensor, _PyWork(work) if _REGISTER_NEEDS_PY_WORK else work)
+
+
+def work_from_future(future: Any) -> Any:
+    """A work that completes with ``future`` (torch's ``_create_work_from_future``)."""
+    return _c10d._create_work_from_future(future)
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def split_group(
+    parent: dist.ProcessGroup, blocks: Sequence[Sequence[int]], *, timeout: Any, name: str
+) -> dist.ProcessGroup | None:
+    """``torch.distributed.split_group`` of ``parent`` into ``blocks`` (every rank in one).
+
+    Raises:
+        PdistError: This torch has no ``split_group``.
+    """
+    if not FEATURES.split_group:
+        raise unsupported("splitting process groups (split_group)", (2, 6))
+    return dist.split_group(  # type: ignore[no-any-return]
+        parent_pg=parent, split_ranks=[list(b) for b in blocks], timeout=timeout, group_desc=name
+    )
+
+
+def bound_device(pg: dist.ProcessGroup) -> Any:
+    """The device an eagerly initialized group is bound to (``device_id=``), or None."""
+    return getattr(pg, "bound_device_id", None)
+
+
+@contextlib.contextmanager
+def gloo_lazy_init() -> Iterator[None]:
+    """Create gloo groups that connect pairs on first use (unless the user chose a mode).
+
+    Every member of a pdist gloo group creates it under the same setting, which
+    gloo requires. Restores the environment afterwards.
+    """
+    if "TORCH_GLOO_LAZY_INIT" in os.environ:
+        yield
+        return
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+
+
+def device_mesh_from_group(
+    groups: dist.ProcessGroup | list[dist.ProcessGroup],
+    device_type: str,
+    mesh: torch.Tensor,
+    names: tuple[str, ...],
+) -> Any:
+    """``DeviceMesh.from_group`` over existing groups (no new communicator)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+
+
+def default_store() -> dist.Store | None:
+    """The default process group's store, or None (no default group)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # no default group
+        return None
+
+
+def dtensor_type() -> type | None:
+    """torch's ``DTensor`` class if it was imported (a model holding one imported it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    found = getattr(module, "DTensor", None)
+    return found if isinstance(found, type) else None
+
+
+def fsdp_module_type() -> type | None:
+    """FSDP2's ``FSDPModule`` class (``torch.distributed.fsdp`` since 2.6)."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            found = getattr(importlib.import_module(name), "FSDPModule", None)
+        except ImportError:
+            continue
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The parameter groups of one FSDP2 module (torch < 2.7 keeps at most one)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+# --------------------------------------------------------------------------- flight recorder
+
+
+def dump_flight_recorder() -> dict[str, Any] | None:
+    """This process's flight recorder: its groups' sequence numbers and recorded collectives.
+
+    None where the recorder holds nothing this torch can dump for every backend
+    (torch 2.6 dumps NCCL only) or fails to dump.
+    """
+    name = FEATURES.flight_recorder
+    if name is None:
+        return None
+    dump = getattr(_c10d, name)
+    try:
+        raw = dump(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+    except Exception:  # no recorder armed, or a backend the dump does not know
+        return None
+    data = pickle.loads(raw)  # the process's own recorder: data this process wrote
+    return data if isinstance(data, dict) else None
+
+
+# --------------------------------------------------------------------------- unpickling
+
+
+def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:
+    """Unpickle ``data`` through torch's ``weights_only`` allow-list plus the ``extra`` classes.
+
+    Raises:
+        pickle.UnpicklingError: The data names something the allow-list refuses.
+    """
+    import io
+
+    from torch import _weights_only_unpickler
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    with torch.serialization.safe_globals(extra):
+        return unpickler.load()  # type: ignore[no-untyped-call]
+
+
+def sparse_tensors_to_validate() -> list[torch.Tensor]:
+    """The list where torch queues every sparse tensor it unpickles, to validate later."""
+    return torch._utils._sparse_tensors_to_validate  # type: ignore[no-any-return]
+
+
+def validate_sparse(t: torch.Tensor) -> None:
+    """Check a sparse tensor's invariants (indices in range...); raises torch's error."""
+    pin = {"check_pinning": False} if FEATURES.sparse_check_pinning else {}
+    if t.layout is torch.sparse_coo:
+        torch._validate_sparse_coo_tensor_args(
+            t._indices(), t._values(), t.size(), t.is_coalesced(), **pin
+        )
+        return
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        compressed, plain = t.crow_indices(), t.col_indices()
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        compressed, plain = t.ccol_indices(), t.row_indices()
+    else:
+        msg = f"a received sparse tensor has an unknown layout {t.layout}"
+        raise PdistError(msg)
+    torch._validate_sparse_compressed_tensor_args(
+        compressed, plain, t.values(), t.size(), t.layout, **pin
+    )
+
+
+# --------------------------------------------------------------------------- CUDA runtime
+
+_CUDA_LIMIT_MAX_L2_FETCH_GRANULARITY = 0x05  # cudaLimitMaxL2FetchGranularity
+
+
+def _cudart() -> Any:
+    """The CUDA runtime library torch loaded (a CUDA build loads it at import), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "/libcudart.so" in line]
+    except OSError:
+        paths = []
+    for name in [*paths[:1], "libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def l2_fetch_granularity() -> int | None:
+    """The current device's L2 fetch granularity in bytes (``cudaDeviceGetLimit``), or None."""
+    lib = _cudart()
+    if lib is None:
+        return None
+    value = ctypes.c_size_t()
+    if lib.cudaDeviceGetLimit(ctypes.byref(value), _CUDA_LIMIT_MAX_L2_FETCH_GRANULARITY):
+        return None
+    return int(value.value)
+
+
+def set_l2_fetch_granularity(nbytes: int) -> str | None:
+    """Set the current device's L2 fetch granularity; None on success, else why not.
+
+    Goes through the CUDA runtime torch already loaded, and reads the limit back
+    (``cudaDeviceGetLimit``): the driver may round or refuse it.
+    """
+    lib = _cudart()
+    if lib is None:
+        return "the CUDA runtime library (libcudart) is not loaded"
+    code = lib.cudaDeviceSetLimit(_CUDA_LIMIT_MAX_L2_FETCH_GRANULARITY, ctypes.c_size_t(nbytes))
+    if code:
+        return f"cudaDeviceSetLimit returned error {code}"
+    got = l2_fetch_granularity()
+    if got != nbytes:
+        return f"cudaDeviceGetLimit reads back {got}, not {nbytes}"
+    return None
