@@ -193,7 +193,7 @@ def reduce_scatter_into(
 
 
 def funcol() -> Any:
-    """torch's functional collectives module (imported on first use: it pulls in dynamo)."""
+    """The functional collectives module of torch (imported on first use: it pulls in dynamo)."""
     return importlib.import_module(_FUNCOL_MODULE)
 
 
@@ -307,7 +307,7 @@ def default_store() -> dist.Store | None:
 
 
 def dtensor_type() -> type | None:
-    """torch's ``DTensor`` class if it was imported (a model holding one imported it)."""
+    """The ``DTensor`` class of torch, if it was imported (a model holding one imported it)."""
     module = sys.modules.get("torch.distributed.tensor")
     found = getattr(module, "DTensor", None)
     return found if isinstance(found, type) else None
