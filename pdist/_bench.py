@@ -74,11 +74,7 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     """A function that waits for the work queued on ``device`` (nothing to wait for on CPU)."""
     if device.type == "cpu":
         return lambda: None
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "synchronize"):
-        return lambda: accelerator.synchronize(device)
-    backend = getattr(torch, device.type)  # torch.cuda, torch.xpu, ... before torch.accelerator
-    return lambda: backend.synchronize(device)
+    return lambda: torch.accelerator.synchronize(device)
 
 
 def _batch(fn: Callable[[], object], inner: int, synchronize: Callable[[], None]) -> float:

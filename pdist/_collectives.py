@@ -18,7 +18,6 @@ functional collectives.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -26,9 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from . import _compat
+from ._compat import all_gather_into
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
-from ._wire import all_gather_into
 
 __all__ = [
     "all_gather",
@@ -55,16 +55,6 @@ _OPS: dict[str, Any] = {
 }
 _FUNCOL_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "product"}
 _DIFFERENTIABLE_OPS = ("sum", "mean")
-_FUNCOL_MODULE = "torch.distributed._functional_collectives"
-
-# torch renamed the tensor-in/tensor-out collectives in 2.13 (the old names warn).
-_reduce_scatter_single: Any = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
-# The pieces torch's functional collectives use to make a tensor that waits on first use.
-_c10d: Any = torch._C._distributed_c10d
-_register_work: Any = getattr(_c10d, "_register_work", None)
-_work_from_future: Any = getattr(_c10d, "_create_work_from_future", None)
 
 # A graph compiled after its distributed() block exited has no process group to
 # call; it gets this op instead, which raises pdist's own error when the graph
@@ -94,12 +84,6 @@ torch.library.register_fake("pdist::closed_group", _closed_group_fake, lib=_LIB)
 
 def _compiling() -> bool:
     return bool(torch.compiler.is_compiling())
-
-
-def _funcol() -> Any:
-    from torch.distributed import _functional_collectives
-
-    return _functional_collectives
 
 
 def _check_op(op: str, allowed: tuple[str, ...], name: str = "op") -> str:
@@ -168,8 +152,7 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     Called below autograd (inside a Function's forward, or on a tensor that
     needs no gradient), so unwrapping loses no history.
     """
-    funcol = sys.modules.get(_FUNCOL_MODULE)  # not imported: no async tensor can exist
-    if funcol is not None and isinstance(x, funcol.AsyncCollectiveTensor):
+    if _compat.is_async_tensor(x):
         return cast("torch.Tensor", x.trigger_wait())
     return x
 
@@ -216,7 +199,7 @@ class _Launched(NamedTuple):
 def _result(launched: _Launched, async_op: bool) -> torch.Tensor:
     """The result: now (wait, finish), or as a tensor that waits and finishes on first use."""
     out, work, finish, buffers = launched
-    if async_op and _register_work is not None and _work_from_future is not None:
+    if async_op:
         if finish is not None:
 
             def then(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
@@ -226,9 +209,9 @@ def _result(launched: _Launched, async_op: bool) -> torch.Tensor:
                 # so the caching allocator does not hand the buffers out while it runs.
                 return [out, *buffers]
 
-            work = _work_from_future(work.get_future().then(then))
-        _register_work(out, work)
-        return cast("torch.Tensor", _funcol().AsyncCollectiveTensor(out))
+            work = _compat.work_from_future(work.get_future().then(then))
+        _compat.register_work(out, work)
+        return cast("torch.Tensor", _compat.funcol().AsyncCollectiveTensor(out))
     work.wait()
     if finish is not None:
         finish()
@@ -291,8 +274,8 @@ def _launch_reduce_scatter(group: Group, x: torch.Tensor, dim: int, op: str) -> 
                 out.div_(p)
 
         return _Launched(out, work, reduce_chunks, (recv,))
-    work = _reduce_scatter_single(
-        out.view(-1), send.view(-1), op=_OPS[op], group=group.device_group, async_op=True
+    work = _compat.reduce_scatter_into(
+        out.view(-1), send.view(-1), _OPS[op], group.device_group, async_op=True
     )
     return _Launched(out, work, _divider(out, p) if op == "mean" else None)
 
@@ -338,23 +321,21 @@ def _launch_all_to_all(
 
 
 def _traced_all_reduce(group: Group, x: torch.Tensor, op: str) -> torch.Tensor:
-    fc = _funcol()
-    out = fc.wait_tensor(fc.all_reduce(x, _FUNCOL_OPS[op], group.device_group))
+    ops, name = _compat.functional_ops(), group.device_group.group_name
+    out = ops.wait_tensor(ops.all_reduce(x, _FUNCOL_OPS[op], name))
     return cast("torch.Tensor", out / group.world_size if op == "mean" else out)
 
 
 def _traced_all_gather(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:
-    fc = _funcol()
-    gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-    return cast("torch.Tensor", fc.wait_tensor(gather(x.contiguous(), dim, group.device_group)))
+    ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
+    raw = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), p, name))  # [P * n, ...]
+    return raw if dim == 0 else torch.cat(raw.chunk(p), dim=dim)
 
 
 def _traced_reduce_scatter(group: Group, x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
-    fc = _funcol()
-    p = group.world_size
+    ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
     send = _split(x, dim, p).movedim(dim, 0).contiguous()  # [P, *chunk]
-    scatter = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-    out = fc.wait_tensor(scatter(send, _FUNCOL_OPS[op], 0, group.device_group))  # [1, *chunk]
+    out = ops.wait_tensor(ops.reduce_scatter_tensor(send, _FUNCOL_OPS[op], p, name))  # [1, *chunk]
     out = out.squeeze(0)
     return cast("torch.Tensor", out / p if op == "mean" else out)
 
@@ -362,9 +343,9 @@ def _traced_reduce_scatter(group: Group, x: torch.Tensor, dim: int, op: str) -> 
 def _traced_all_to_all(
     group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int
 ) -> torch.Tensor:
-    fc = _funcol()
-    chunks = torch.stack(x.chunk(group.world_size, dim=scatter_dim))  # [P, *chunk]
-    out = fc.wait_tensor(fc.all_to_all_single(chunks, None, None, group.device_group))
+    ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
+    chunks = torch.stack(x.chunk(p, dim=scatter_dim))  # [P, *chunk]
+    out = ops.wait_tensor(ops.all_to_all_single(chunks, [1] * p, [1] * p, name))
     return torch.cat(out.unbind(0), dim=gather_dim)
 
 
@@ -747,10 +728,10 @@ def _broadcast_into(group: Group, x: torch.Tensor, src: int) -> torch.Tensor:
         return x
 
     def traced() -> torch.Tensor:
-        fc = _funcol()
-        pg = group.device_group
-        root = dist.get_group_rank(pg, src_global)  # functional collectives take the pg's rank
-        return cast("torch.Tensor", fc.wait_tensor(fc.broadcast(x, root, pg)))
+        ops = _compat.functional_ops()
+        # The functional broadcast takes the pg's rank: pdist's group index.
+        out = ops.wait_tensor(ops.broadcast(x, src, group.device_group.group_name))
+        return cast("torch.Tensor", out)
 
     def run(target: torch.Tensor) -> None:
         dist.broadcast(target, src=src_global, group=group.device_group)

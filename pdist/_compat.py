@@ -42,6 +42,7 @@ __all__ = [
     "fsdp_module_type",
     "fsdp_param_groups",
     "funcol",
+    "functional_ops",
     "gloo_lazy_init",
     "is_async_tensor",
     "l2_fetch_granularity",
@@ -52,6 +53,7 @@ __all__ = [
     "set_l2_fetch_granularity",
     "sparse_tensors_to_validate",
     "split_group",
+    "store_connection",
     "unsupported",
     "validate_sparse",
     "work_from_future",
@@ -97,6 +99,7 @@ class Features:
         flight_recorder_env: The variable that sizes the recorder's buffer.
         store_clone: ``Store.clone()`` exists (a second connection to the store).
         sparse_check_pinning: torch's sparse validators take ``check_pinning=``.
+        fsdp2_on_cpu: FSDP2 runs on CPU tensors (its CPU streams record events, 2.7+).
     """
 
     torch: tuple[int, int]
@@ -109,6 +112,7 @@ class Features:
     flight_recorder_env: str
     store_clone: bool
     sparse_check_pinning: bool
+    fsdp2_on_cpu: bool
 
     def summary(self) -> list[str]:
         """One ``name: value`` line per feature (what ``pdist doctor`` prints)."""
@@ -151,6 +155,8 @@ def _probe() -> Features:
         ),
         store_clone=hasattr(dist.Store, "clone"),
         sparse_check_pinning=_sparse_takes_check_pinning(),
+        # FSDP2 records events on its streams; torch 2.6's CPU stream cannot.
+        fsdp2_on_cpu=hasattr(torch.cpu.Stream, "record_event"),
     )
 
 
@@ -197,16 +203,13 @@ def funcol() -> Any:
     return importlib.import_module(_FUNCOL_MODULE)
 
 
-def funcol_all_gather() -> Any:
-    """The functional all-gather of one tensor along a dim (``all_gather_single`` on 2.13)."""
-    fc = funcol()
-    return getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+def functional_ops() -> Any:
+    """Torch's functional collective ops (``torch.ops._c10d_functional``), which trace.
 
-
-def funcol_reduce_scatter() -> Any:
-    """The functional reduce-scatter of one tensor along a dim."""
-    fc = funcol()
-    return getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+    Each returns its result at once; ``wait_tensor`` waits for it. pdist calls
+    them directly (not funcol's wrappers, which wait again while tracing).
+    """
+    return torch.ops._c10d_functional
 
 
 def is_async_tensor(x: torch.Tensor) -> bool:
@@ -304,6 +307,19 @@ def default_store() -> dist.Store | None:
         return _get_default_store()
     except Exception:  # no default group
         return None
+
+
+def store_connection(store: dist.Store) -> dist.Store:
+    """Another client of ``store``, for a thread that must not queue behind the main one.
+
+    ``Store.clone()`` where torch has it (2.7 and newer); before that a new
+    connection to a ``TCPStore``'s address; any other store is shared as it is.
+    """
+    if FEATURES.store_clone:
+        return store.clone()  # type: ignore[attr-defined,no-any-return]
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False)
+    return store
 
 
 def dtensor_type() -> type | None:

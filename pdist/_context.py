@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
+from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
-from . import _env, _subgroups, _topology
+from . import _compat, _env, _subgroups, _topology
 from ._errors import PdistError
 from ._group import DistContext, Lifetime
-from ._guard import Deadline, default_store, probe_world
+from ._guard import Deadline, probe_world
 
 __all__ = ["distributed", "probe_accelerator"]
 
@@ -34,23 +34,15 @@ logger = logging.getLogger("pdist")
 def probe_accelerator() -> _env.Accelerator | None:
     """The machine's accelerator through ``torch.accelerator`` (cuda, xpu, npu, mps, ...).
 
-    Falls back to ``torch.cuda`` on a torch without the accelerator API. The
-    backend is torch's default for the device type where torch names one.
+    The backend is torch's default for the device type where torch names one.
     """
-    api = getattr(torch, "accelerator", None)
-    if api is not None:
-        if not api.is_available():
-            return None
-        current = api.current_accelerator()
-        if current is None:
-            return None
-        kind, count = current.type, int(api.device_count())
-    elif torch.cuda.is_available():
-        kind, count = "cuda", torch.cuda.device_count()
-    else:
+    api = torch.accelerator
+    current = api.current_accelerator() if api.is_available() else None
+    if current is None:
         return None
+    kind, count = current.type, int(api.device_count())
     backend = _env.DEFAULT_BACKENDS.get(kind, "gloo")
-    with contextlib.suppress(Exception):  # torch < 2.6, or a device torch has no default for
+    with contextlib.suppress(Exception):  # a device type torch names no backend for
         backend = str(dist.get_default_backend_for_device(kind))
     return _env.Accelerator(type=kind, count=count, backend=backend)
 
@@ -134,7 +126,7 @@ class _Distributed:
         launch = settings.launch
         if settings.adopt:
             # An adopted group without a store has no one to check in with but this process.
-            return default_store() or HashStore()
+            return _compat.default_store() or HashStore()
         if self._store is not None:
             return self._store
         if launch.launcher == "none":

@@ -22,16 +22,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
+from torch.distributed import Store
 
-from . import _env
+from . import _compat, _env
 from ._errors import PdistError
 from ._group import DistContext
 
 __all__ = [
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
     "Deadline",
-    "default_store",
     "grace",
     "probe_world",
     "world_comm_guard",
@@ -63,16 +62,6 @@ def grace(seconds: float) -> float:
     return min(10.0, max(1.0, 0.05 * seconds))
 
 
-def default_store() -> Store | None:
-    """The default process group's store, or None (no default group, or an older torch)."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # no default group, or a torch without the helper
-        return None
-
-
 def _missing(store: Store, keys: list[str]) -> list[int] | None:
     """The indices of ``keys`` absent from ``store``, read with a bounded wait (None: no answer).
 
@@ -85,7 +74,7 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
     done = threading.Event()
 
     def read() -> None:
-        reader = store.clone() if hasattr(store, "clone") else store
+        reader = _compat.store_connection(store)
         for start in range(0, len(keys), _CHECK_CHUNK):
             chunk = keys[start : start + _CHECK_CHUNK]
             if not reader.check(chunk):
@@ -298,7 +287,7 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
     )
     deadline.arm()  # before the check-in: a store that never answers is a stall too
     try:
-        store = default_store()
+        store = _compat.default_store()
         if store is not None:
             deadline.stage = "checking in with the rendezvous store"
             deadline.check_in(store, "guard")

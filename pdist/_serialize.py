@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _compat
 from ._errors import PdistError
 
 __all__ = [
@@ -311,31 +312,9 @@ def _validate_sparse(tensors: list[torch.Tensor]) -> None:
     """Check sparse tensors' invariants (indices in range...); an invalid one raises PdistError."""
     for t in tensors:
         try:
-            if t.layout is torch.sparse_coo:
-                torch._validate_sparse_coo_tensor_args(
-                    t._indices(), t._values(), t.size(), t.is_coalesced(), check_pinning=False
-                )
-            elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
-                torch._validate_sparse_compressed_tensor_args(
-                    t.crow_indices(),
-                    t.col_indices(),
-                    t.values(),
-                    t.size(),
-                    t.layout,
-                    check_pinning=False,
-                )
-            elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
-                torch._validate_sparse_compressed_tensor_args(
-                    t.ccol_indices(),
-                    t.row_indices(),
-                    t.values(),
-                    t.size(),
-                    t.layout,
-                    check_pinning=False,
-                )
-            else:
-                msg = f"a received sparse tensor has an unknown layout {t.layout}"
-                raise PdistError(msg)
+            _compat.validate_sparse(t)
+        except PdistError:
+            raise
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             msg = f"a received sparse tensor is invalid: {exc}"
             raise PdistError(msg) from None
@@ -367,7 +346,7 @@ def loads(
     with _SPARSE_LOCK, warnings.catch_warnings():
         # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly.
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
-        pending = torch._utils._sparse_tensors_to_validate
+        pending = _compat.sparse_tensors_to_validate()
         start = len(pending)
         try:
             obj = _load(data, persistent_load, safe)
@@ -385,13 +364,8 @@ def _load(data: bytes, persistent_load: Any, safe: Safe) -> Any:
             unpickler = pickle.Unpickler(io.BytesIO(data))
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             return unpickler.load()
-        from torch import _weights_only_unpickler
-
         extra: list[Any] = [] if safe is True else list(safe)
-        safe_unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
-        safe_unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-        with torch.serialization.safe_globals(extra):
-            return safe_unpickler.load()  # type: ignore[no-untyped-call]
+        return _compat.safe_load(data, persistent_load, extra)
     except PdistError:
         raise
     except pickle.UnpicklingError as exc:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,7 +36,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from . import _wire
+from . import _compat, _wire
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, Lifetime, ProcessGroup
 from ._layout import AXES, GROUP_AXES, Layout, consecutive_groups, make_layout
@@ -74,23 +73,6 @@ class _Built:
 _SUBGROUP_TIMEOUT = "subgroup_timeout"
 
 
-@contextlib.contextmanager
-def _lazy_gloo() -> Iterator[None]:
-    """Create gloo groups that connect pairs on first use (unless the user chose a mode).
-
-    Every member of a pdist gloo group creates it under the same setting, which
-    gloo requires. Restores the environment afterwards.
-    """
-    if "TORCH_GLOO_LAZY_INIT" in os.environ:
-        yield
-        return
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-
-
 def _backend_of(pg: ProcessGroup) -> str:
     return str(dist.get_backend(pg)).lower()
 
@@ -98,7 +80,7 @@ def _backend_of(pg: ProcessGroup) -> str:
 def _splits(world: Group) -> bool:
     """Whether device groups are split from the world (an accelerator-bound default group)."""
     pg = world.device_group
-    return world.device.type != "cpu" and getattr(pg, "bound_device_id", None) is not None
+    return world.device.type != "cpu" and _compat.bound_device(pg) is not None
 
 
 def build_world(
@@ -120,7 +102,7 @@ def build_world(
     device_key = lifetime.add(world_pg, created=False)
     cpu_key = device_key
     if _backend_of(world_pg) not in _SELF_CPU_BACKENDS:
-        with _lazy_gloo():
+        with _compat.gloo_lazy_init():
             cpu_pg = dist.new_group(
                 backend="gloo", timeout=timeout, use_local_synchronization=True, group_desc="world"
             )
@@ -166,19 +148,14 @@ def _create(
     world_device = world.device_group
     backend = _backend_of(world_device)
     if _splits(world):
-        device_pg = dist.split_group(
-            parent_pg=world_device,
-            split_ranks=[list(b) for b in blocks],
-            timeout=timeout,
-            group_desc=name,
-        )
+        device_pg = _compat.split_group(world_device, blocks, timeout=timeout, name=name)
         if device_pg is None:  # every rank is in a block (see _complete)
             msg = f"split_group gave rank {world.rank} no group for partition {name!r}"
             raise PdistError(msg)
     else:
         with contextlib.ExitStack() as stack:
             if backend == "gloo":
-                stack.enter_context(_lazy_gloo())
+                stack.enter_context(_compat.gloo_lazy_init())
             device_pg = dist.new_group(
                 list(mine),
                 timeout=timeout,
@@ -188,7 +165,7 @@ def _create(
             )
     if world.cpu_group is world_device:
         return device_pg, device_pg
-    with _lazy_gloo():
+    with _compat.gloo_lazy_init():
         cpu_pg = dist.new_group(
             list(mine),
             timeout=timeout,
@@ -559,18 +536,12 @@ def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
             axes out of order, or (several axes) groups that form no such mesh.
         PdistError: The context is closed.
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     _check_ctx(ctx)
     names = _mesh_axes(axes)
     if len(names) == 1:  # one axis: its group is the mesh, whatever the other groups are
         group = getattr(ctx, names[0])
-        return DeviceMesh.from_group(
-            group.device_group,
-            ctx.device.type,
-            mesh=torch.tensor(group.ranks, dtype=torch.int),
-            mesh_dim_names=names,
-        )
+        ranks = torch.tensor(group.ranks, dtype=torch.int)
+        return _compat.device_mesh_from_group(group.device_group, ctx.device.type, ranks, names)
     layout = _mesh_layout(ctx, names)
     grid = torch.arange(ctx.world_size, dtype=torch.int).view(layout.dp, layout.sp, layout.tp)
     d, s, t = layout.coords(ctx.rank)
@@ -585,9 +556,4 @@ def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
         ]
     mesh = grid[tuple(index)].contiguous()
     groups = [getattr(ctx, axis).device_group for axis in names]  # two or more
-    return DeviceMesh.from_group(
-        groups,
-        ctx.device.type,
-        mesh=mesh,
-        mesh_dim_names=names,
-    )
+    return _compat.device_mesh_from_group(groups, ctx.device.type, mesh, names)

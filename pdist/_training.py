@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import importlib
-import sys
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -16,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _wire
+from . import _compat, _wire
 from ._broadcast import DEFAULT_BUCKET_BYTES
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
@@ -24,27 +22,6 @@ from ._payload import Fill, place, process_group, staging
 from ._serialize import dtype_name
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
-
-
-def _fsdp_module_type() -> type | None:
-    # torch >= 2.6 exports FSDPModule from fsdp; older versions keep it under _composable.
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        try:
-            found = getattr(importlib.import_module(name), "FSDPModule", None)
-        except ImportError:
-            continue
-        if isinstance(found, type):
-            return found
-    return None
-
-
-def _fsdp_param_groups(module: nn.Module) -> list[Any]:
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.7 has at most one group per module
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    return list(groups)
 
 
 _STATIC_WARNED = "_pdist_static_graph_warned"
@@ -186,7 +163,7 @@ def grad_sync(
             f"module you called fully_shard on, or a plain module), got a {type(model).__name__}"
         )
         raise TypeError(msg)
-    fsdp_type = _fsdp_module_type()
+    fsdp_type = _compat.fsdp_module_type()
     restore: list[Any] = []
     found = False
 
@@ -215,7 +192,8 @@ def grad_sync(
                 module.require_backward_grad_sync = bool(enabled)
             elif fsdp_type is not None and isinstance(module, fsdp_type):
                 found = True
-                groups = _fsdp_param_groups(module)
+                _check_fsdp_device(module)
+                groups = _compat.fsdp_param_groups(module)
                 if not groups:
                     continue
                 olds = [(g.reduce_grads, g.all_reduce_grads) for g in groups]
@@ -239,6 +217,14 @@ def grad_sync(
         yield
     finally:
         undo()
+
+
+def _check_fsdp_device(module: nn.Module) -> None:
+    """Refuse FSDP2 on CPU where torch cannot run it (its backward would crash half-way)."""
+    if _compat.FEATURES.fsdp2_on_cpu:
+        return
+    if any(p.device.type == "cpu" for p in module.parameters(recurse=False)):
+        raise _compat.unsupported("FSDP2 (fully_shard) on CPU tensors", (2, 7))
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
@@ -403,9 +389,8 @@ def _local_states(
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (checked without importing torch.distributed.tensor)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return isinstance(dtensor, type) and isinstance(t, dtensor)
+    dtensor = _compat.dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def _entry(name: str, t: torch.Tensor) -> tuple[str, tuple[int, ...], str, str]:

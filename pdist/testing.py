@@ -229,7 +229,7 @@ def spawn(
             the workers are then killed.
         ValueError: ``world_size`` is not a positive int.
     """
-    from torch._C._distributed_c10d import TCPStore
+    from torch.distributed import TCPStore
 
     from ._env import to_seconds
 
@@ -257,6 +257,11 @@ def spawn(
         conn.send((logs[rank] if capture_output else "", env, list(sys.path), payload))
     try:
         return _collect(pool, logs, seconds)
+    except BaseException:
+        # Interrupted (a test runner's own timeout, Ctrl-C): the ranks may still be inside
+        # this job; a later call must not hand its job to them.
+        _discard(world_size)
+        raise
     finally:
         del store
         for path in logs:
@@ -325,7 +330,12 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
 
 # kineto (the profiler's C++ side) writes these to file descriptor 2 on every start and stop,
 # whatever Python's logging says; its level comes from KINETO_LOG_LEVEL, read once per process.
-_KINETO_NOISE = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d [^\n]*\] [^\n]*\n?", re.MULTILINE)
+# A CUDA build of torch on a machine without a GPU also logs, at every start, that it found none.
+_KINETO_NOISE = re.compile(
+    r"^(?:(?:USDT|STAGE):\d{4}-\d\d-\d\d [^\n]*\] [^\n]*"
+    r"|ERROR:\d{4}-\d\d-\d\d [^\n]*\] gpuGetDeviceCount failed with code \d+)\n?",
+    re.MULTILINE,
+)
 
 
 @contextlib.contextmanager

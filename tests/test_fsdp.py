@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from fsdp_state import needs_fsdp2_on_cpu, param_groups
 from torch import nn
 from torch.distributed import TCPStore
 
@@ -98,6 +99,7 @@ CASES = [
 ]
 
 
+@needs_fsdp2_on_cpu
 @pytest.mark.parametrize(("kind", "axes", "sp", "layout"), CASES)
 def test_matches_single_process_training(kind, axes, sp, layout):
     """3 AdamW steps on 4 ranks match one process on the whole batch within 1e-5."""
@@ -107,13 +109,11 @@ def test_matches_single_process_training(kind, axes, sp, layout):
 
 
 def _flags(model: nn.Sequential) -> list[tuple[bool, bool]]:
-    from pdist._training import _fsdp_param_groups
-
     return [
         (g.reduce_grads, g.all_reduce_grads)
         for layer in model
         if isinstance(layer, nn.Linear)
-        for g in _fsdp_param_groups(layer)
+        for g in param_groups(layer)
     ]
 
 
@@ -130,7 +130,7 @@ def _accumulate(defer_reduce_scatter):
                 p._unsharded_param.grad is not None
                 for layer in model
                 if isinstance(layer, nn.Linear)
-                for g in pdist._training._fsdp_param_groups(layer)
+                for g in param_groups(layer)
                 for p in g.fsdp_params
             ]
         after = _flags(model)
@@ -147,6 +147,7 @@ def _accumulate(defer_reduce_scatter):
         return inside, held, after, diff
 
 
+@needs_fsdp2_on_cpu
 @pytest.mark.parametrize("defer_reduce_scatter", [False, True])
 def test_grad_sync_hsdp_defers_all_reduce_or_everything(defer_reduce_scatter):
     """HSDP 2x2 over (dp, sp): the chosen flags inside, restored after, same gradients."""
@@ -159,6 +160,7 @@ def test_grad_sync_hsdp_defers_all_reduce_or_everything(defer_reduce_scatter):
         assert diff <= 1e-6
 
 
+@needs_fsdp2_on_cpu
 @world_sizes(2)
 def test_grad_sync_on_an_fsdp_submodule_warns(ctx):
     """A submodule holding no FSDP module inside a fully_shard model warns; the root does not."""
@@ -218,6 +220,7 @@ for attempt, port in enumerate(sys.argv[1:]):
 """
 
 
+@needs_fsdp2_on_cpu
 @pytest.mark.timeout(600)
 def test_fsdp2_script_exits_cleanly_ten_times():
     """An FSDP2 step, then a plain exit: 10 fresh 2-rank jobs all exit 0 (no SIGABRT)."""

@@ -170,14 +170,14 @@ STUCK_STORE = """
     import time
     import torch.distributed as dist
     import pdist
-    from pdist import _guard
+    from pdist import _compat
 
     class Stuck(dist.Store):
         def add(self, key, value):
             time.sleep(3600)  # a store that accepted the connection but never answers
 
     with pdist.distributed() as ctx:
-        _guard.default_store = Stuck
+        _compat.default_store = Stuck
         with pdist.world_comm_guard(ctx, timeout=1):
             print("INSIDE", flush=True)
 """

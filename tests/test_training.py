@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from fsdp_state import needs_fsdp2_on_cpu, param_groups
 from torch import nn
 
 import pdist
@@ -254,15 +255,27 @@ def _fsdp_model(mesh):
 
 
 def _flags(model) -> list[bool]:
-    from pdist._training import _fsdp_param_groups
+    return [g.all_reduce_grads for m in (model[0], model[2]) for g in param_groups(m)]
 
-    return [g.all_reduce_grads for m in (model[0], model[2]) for g in _fsdp_param_groups(m)]
+
+@pytest.mark.skipif(
+    hasattr(torch.cpu.Stream, "record_event"), reason="this torch runs FSDP2 on CPU"
+)
+@world_sizes(2)
+def test_grad_sync_refuses_fsdp2_on_cpu_where_torch_cannot_run_it(ctx):
+    """torch 2.6: grad_sync on a CPU fully_shard model raises naming the feature and torch 2.7."""
+    model = _fsdp_model(pdist.device_mesh(ctx, ("dp",)))
+    with pytest.raises(pdist.PdistError, match=r"FSDP2 .* on CPU .* needs torch >= 2\.7"):  # noqa: SIM117
+        with pdist.grad_sync(model, enabled=False):
+            pass
+    del model
 
 
 def _full_grads(model) -> list[torch.Tensor]:
     return [p.grad.full_tensor().clone() for p in model.parameters()]
 
 
+@needs_fsdp2_on_cpu
 @world_sizes(4)
 def test_fsdp2_hsdp_defers_only_the_all_reduce(ctx):
     """HSDP 2x2: flags off inside, restored exactly after; gradients match no accumulation."""
