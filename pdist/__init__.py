@@ -6,7 +6,6 @@ pure functions take the context or one of its :class:`Group` values.
 
 from __future__ import annotations
 
-from ._broadcast import broadcast_object_list as broadcast_object_list
 from ._collate import EvalSampler as EvalSampler
 from ._collate import collate_batches as collate_batches
 from ._collectives import all_gather as all_gather
@@ -25,6 +24,8 @@ from ._collectives import shard as shard
 from ._context import distributed as distributed
 from ._errors import PdistError as PdistError
 from ._errors import RankMismatchError as RankMismatchError
+from ._gathers import all_gather_object as all_gather_object
+from ._gathers import gather_object as gather_object
 from ._graph import graph_capture as graph_capture
 from ._group import DistContext as DistContext
 from ._group import Group as Group
@@ -32,14 +33,13 @@ from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
 from ._guard import world_comm_guard as world_comm_guard
 from ._guard import world_comm_timeout as world_comm_timeout
 from ._mq import message_queue as message_queue
-from ._objects import all_gather_object as all_gather_object
 from ._objects import broadcast_object as broadcast_object
+from ._objects import broadcast_object_list as broadcast_object_list
 from ._objects import broadcast_tensor_dict as broadcast_tensor_dict
-from ._objects import gather_object as gather_object
-from ._objects import recv_object as recv_object
-from ._objects import recv_tensor_dict as recv_tensor_dict
-from ._objects import send_object as send_object
-from ._objects import send_tensor_dict as send_tensor_dict
+from ._p2p import recv_object as recv_object
+from ._p2p import recv_tensor_dict as recv_tensor_dict
+from ._p2p import send_object as send_object
+from ._p2p import send_tensor_dict as send_tensor_dict
 from ._ranks import barrier as barrier
 from ._ranks import is_local_rank0 as is_local_rank0
 from ._ranks import is_rank0 as is_rank0

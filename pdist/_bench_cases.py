@@ -11,14 +11,15 @@ import torch
 import torch.distributed as dist
 
 from ._bench import Case, environment, run_cases
-from ._broadcast import broadcast_object_list
 from ._collate import collate_batches
 from ._collectives import all_gather, all_reduce, all_reduce_, broadcast, reduce_scatter
+from ._compat import all_gather_into
 from ._context import distributed
+from ._gathers import all_gather_object
 from ._group import DistContext
 from ._mq import message_queue
-from ._objects import all_gather_object, broadcast_object, recv_object, send_object
-from ._wire import all_gather_into
+from ._objects import broadcast_object, broadcast_object_list
+from ._p2p import recv_object, send_object
 
 __all__ = ["all_cases", "bench_rank"]
 

@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from . import _wire
+from . import _agree, _wire
+from ._buffers import allocate, offsets
+from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._payload import buffer, layout, process_group, transport_device
 from ._serialize import dtype_name, dtype_of
-from ._wire import all_gather_into
 
 __all__ = ["EvalSampler", "collate_batches"]
 
@@ -486,8 +486,8 @@ def _gather_rows(call: _Call, pg: dist.ProcessGroup, run: list[int]) -> Start:
     """
     world, rows, row = call.world, call.rows, call.specs[run[0]].nbytes
     cpu = torch.device("cpu")
-    mine = buffer(len(run) * rows * row, cpu)
-    gathered = buffer(len(run) * rows * world * row, cpu)
+    mine = allocate(len(run) * rows * row, cpu, what=_WHAT)
+    gathered = allocate(len(run) * rows * world * row, cpu, what=_WHAT)
 
     def start() -> Finish:
         _pack(call, run, mine, [k * rows * row for k in range(len(run))])
@@ -518,20 +518,20 @@ def _gather_packed(
     Allocates now; packs and gathers when started.
     """
     world, rows = call.world, call.rows
-    offsets, size = layout([rows * call.specs[i].nbytes for i in run])
+    starts, size = offsets([rows * call.specs[i].nbytes for i in run])
     # Padding rows and alignment gaps are never read back (_pack zeroes them).
-    mine = buffer(size, device)
-    gathered = buffer(world * size, device)
+    mine = allocate(size, device, what=_WHAT)
+    gathered = allocate(world * size, device, what=_WHAT)
 
     def start() -> Finish:
-        _pack(call, run, mine, offsets)
+        _pack(call, run, mine, starts)
         work = all_gather_into(gathered, mine, pg, async_op=True)
 
         def finish() -> list[tuple[int, torch.Tensor]]:
             work.wait()
             per_rank = gathered.view(world, size)
             result = []
-            for i, offset in zip(run, offsets, strict=True):
+            for i, offset in zip(run, starts, strict=True):
                 spec = call.specs[i]
                 block = per_rank[:, offset : offset + rows * spec.nbytes].view(spec.dtype)
                 typed = block.view(world, rows, *spec.shape)  # [W, rows, *trailing]
@@ -567,19 +567,19 @@ def _gather_leaves(
     starts: list[Start] = []
     try:
         for kind, leaves in by_transport.items():
-            pg = process_group(g, kind)
+            pg = g.transport(kind)
             for run in _plan(specs, leaves, call.rows * call.world):
                 # Strided outputs rely on gloo copying out of its own staging buffer; a device
                 # transport takes the packed gather and interleaves with one device copy.
                 if kind == "cpu" and len({specs[i].nbytes for i in run}) == 1:
                     starts.append(_gather_rows(call, pg, run))
                 else:
-                    device = transport_device(kind, g.device)
+                    device = torch.device("cpu") if kind == "cpu" else g.device
                     starts.append(_gather_packed(call, pg, device, run))
         error = None
     except Exception as exc:
         starts, error = [], exc
-    _wire.settle(g, error, what=_WHAT)
+    _agree.status(g, error, what=_WHAT)
     # Packing gather k+1 overlaps gather k's transfer.
     finishes = [start() for start in starts]
     for finish in finishes:

@@ -153,7 +153,7 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     needs no gradient), so unwrapping loses no history.
     """
     if _compat.is_async_tensor(x):
-        return cast("torch.Tensor", x.trigger_wait())
+        return cast("torch.Tensor", cast("Any", x).trigger_wait())
     return x
 
 

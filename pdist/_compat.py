@@ -26,6 +26,12 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # exported, but not to mypy
+    HashStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 
 from ._errors import PdistError
 
@@ -34,6 +40,10 @@ __all__ = [
     "MIN_TORCH",
     "TORCH",
     "Features",
+    "HashStore",
+    "PrefixStore",
+    "Store",
+    "TCPStore",
     "all_gather_into",
     "default_store",
     "device_mesh_from_group",
@@ -153,7 +163,7 @@ def _probe() -> Features:
             if recorder == "_dump_fr_trace"
             else "TORCH_NCCL_TRACE_BUFFER_SIZE"
         ),
-        store_clone=hasattr(dist.Store, "clone"),
+        store_clone=hasattr(Store, "clone"),
         sparse_check_pinning=_sparse_takes_check_pinning(),
         # FSDP2 records events on its streams; torch 2.6's CPU stream cannot.
         fsdp2_on_cpu=hasattr(torch.cpu.Stream, "record_event"),
@@ -175,9 +185,11 @@ def unsupported(feature: str, minimum: tuple[int, int]) -> PdistError:
 # --------------------------------------------------------------------------- collectives
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn there).
-_all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single: Any = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+_REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 )
 
 
@@ -188,14 +200,15 @@ def all_gather_into(
 
     Returns the work handle when ``async_op``.
     """
-    return _all_gather_single(out, mine, group=pg, async_op=async_op)
+    # Looked up per call: the scale simulation counts these calls by wrapping torch's function.
+    return getattr(dist, _ALL_GATHER)(out, mine, group=pg, async_op=async_op)
 
 
 def reduce_scatter_into(
     out: torch.Tensor, full: torch.Tensor, op: Any, pg: dist.ProcessGroup, *, async_op: bool
 ) -> Any:
     """Reduce-scatter the contiguous ``full`` into ``out`` (this rank's chunk)."""
-    return _reduce_scatter_single(out, full, op=op, group=pg, async_op=async_op)
+    return getattr(dist, _REDUCE_SCATTER)(out, full, op=op, group=pg, async_op=async_op)
 
 
 def funcol() -> Any:
@@ -218,7 +231,7 @@ def is_async_tensor(x: torch.Tensor) -> bool:
     return fc is not None and isinstance(x, fc.AsyncCollectiveTensor)
 
 
-class _PyWork(dist._Work):  # type: ignore[misc]  # torch's Work is untyped
+class _PyWork(dist._Work):  # type: ignore[misc,name-defined]  # torch's Work is untyped
     """A work implemented in Python around torch's own (what older ``_register_work`` needs)."""
 
     def __init__(self, work: Any) -> None:
@@ -260,7 +273,7 @@ def split_group(
     """
     if not FEATURES.split_group:
         raise unsupported("splitting process groups (split_group)", (2, 6))
-    return dist.split_group(  # type: ignore[no-any-return]
+    return dist.split_group(
         parent_pg=parent, split_ranks=[list(b) for b in blocks], timeout=timeout, group_desc=name
     )
 
@@ -299,7 +312,7 @@ def device_mesh_from_group(
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
 
 
-def default_store() -> dist.Store | None:
+def default_store() -> Store | None:
     """The default process group's store, or None (no default group)."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
@@ -309,7 +322,7 @@ def default_store() -> dist.Store | None:
         return None
 
 
-def store_connection(store: dist.Store) -> dist.Store:
+def store_connection(store: Store) -> Store:
     """Another client of ``store``, for a thread that must not queue behind the main one.
 
     ``Store.clone()`` where torch has it (2.7 and newer); before that a new
@@ -317,8 +330,8 @@ def store_connection(store: dist.Store) -> dist.Store:
     """
     if FEATURES.store_clone:
         return store.clone()  # type: ignore[attr-defined,no-any-return]
-    if isinstance(store, dist.TCPStore):
-        return dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False)
+    if isinstance(store, TCPStore):
+        return TCPStore(store.host, store.port, is_master=False, wait_for_workers=False)
     return store
 
 
@@ -393,7 +406,7 @@ def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:
 
 def sparse_tensors_to_validate() -> list[torch.Tensor]:
     """The list where torch queues every sparse tensor it unpickles, to validate later."""
-    return torch._utils._sparse_tensors_to_validate  # type: ignore[no-any-return]
+    return torch._utils._sparse_tensors_to_validate
 
 
 def validate_sparse(t: torch.Tensor) -> None:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import HashStore, PrefixStore, Store, TCPStore
 
 from . import _compat, _env, _subgroups, _topology
+from ._compat import HashStore, PrefixStore, Store, TCPStore
 from ._errors import PdistError
 from ._group import DistContext, Lifetime
 from ._guard import Deadline, probe_world

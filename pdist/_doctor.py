@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from ._broadcast import broadcast_object_list
 from ._collate import EvalSampler, collate_batches
 from ._collectives import (
     all_gather,
@@ -24,10 +23,11 @@ from ._collectives import (
 )
 from ._context import distributed
 from ._errors import PdistError
+from ._gathers import all_gather_object
 from ._group import DistContext
 from ._guard import world_comm_guard, world_comm_timeout
 from ._mq import message_queue
-from ._objects import all_gather_object, broadcast_object
+from ._objects import broadcast_object, broadcast_object_list
 from ._ranks import barrier
 from ._topology import nvml_handle
 

@@ -1,8 +1,34 @@
-"""Exception types raised by pdist."""
+"""Exception types raised by pdist, and a failure's plain-data form on the wire (a leaf).
+
+A rank that fails while preparing its part of a collective tells its peers as
+an *error marker*: a struct (the failing rank, the error's type name) and the
+error's text as UTF-8, never a pickle. Every peer then raises a
+:class:`RemoteError` naming that rank; the failing rank raises an error that is
+both a :class:`RemoteError` and an instance of its own error's type, chained to
+it, so code that catches the original type (as it would with torch) still does.
+"""
 
 from __future__ import annotations
 
-__all__ = ["PdistError", "RankMismatchError"]
+import functools
+import struct
+from typing import Any, cast
+
+__all__ = [
+    "ERROR",
+    "HEADER",
+    "OK",
+    "PdistError",
+    "RankMismatchError",
+    "RemoteError",
+    "RemoteTypeError",
+    "RemoteValueError",
+    "decode_marker",
+    "encode_marker",
+    "failure",
+    "kind_name",
+    "translated",
+]
 
 
 class PdistError(RuntimeError):
@@ -15,3 +41,116 @@ class RankMismatchError(PdistError):
     Raised identically on every rank of the group, after a metadata exchange,
     so that no rank is left waiting in a collective.
     """
+
+
+class RemoteError(PdistError):
+    """A rank failed while preparing its part of a collective; every rank raises this."""
+
+
+class RemoteTypeError(RemoteError, TypeError):
+    """A rank's ``TypeError`` (a bad argument), raised on every rank of the collective."""
+
+
+class RemoteValueError(RemoteError, ValueError):
+    """A rank's ``ValueError`` (a bad argument), raised on every rank of the collective."""
+
+
+# A bad argument on one rank stays a TypeError/ValueError on every rank, as it would locally.
+_PEER_TYPES: dict[str, type[RemoteError]] = {
+    "TypeError": RemoteTypeError,
+    "ValueError": RemoteValueError,
+    "RemoteTypeError": RemoteTypeError,
+    "RemoteValueError": RemoteValueError,
+}
+
+HEADER = struct.Struct("<Bq")
+"""A framed message's header: status (:data:`OK` or :data:`ERROR`), then the body's length."""
+
+OK, ERROR = 1, 2
+
+_MARKER = struct.Struct("<qI")  # failing rank, length of the error's type name (then the text)
+MAX_MARKER_TEXT = 16 << 10
+
+
+def kind_name(error: BaseException) -> str:
+    """The type name a failure travels under (a :func:`translated` error: the type it stands as)."""
+    return str(getattr(type(error), "_pdist_kind", type(error).__name__))
+
+
+def encode_marker(rank: int, error: BaseException) -> bytes:
+    """The plain-data form of ``error`` on ``rank``: a struct, the type name, the text."""
+    kind = kind_name(error).encode()
+    text = str(error).encode(errors="replace")[:MAX_MARKER_TEXT]
+    return _MARKER.pack(rank, len(kind)) + kind + text
+
+
+def decode_marker(body: bytes, ranks: tuple[int, ...]) -> tuple[int, str, str] | None:
+    """``(rank, type name, text)`` of a marker from one of ``ranks``; None when malformed."""
+    if len(body) < _MARKER.size:
+        return None
+    rank, kind_len = _MARKER.unpack_from(body)
+    if kind_len > len(body) - _MARKER.size or rank not in ranks:
+        return None
+    kind = body[_MARKER.size : _MARKER.size + kind_len].decode(errors="replace")
+    return rank, kind, body[_MARKER.size + kind_len :].decode(errors="replace")
+
+
+@functools.cache
+def _join(first: Any, second: Any, name: str, kind: str) -> type | None:
+    """A class that is both ``first`` and ``second``, travelling as ``kind`` (None: impossible)."""
+    if issubclass(second, first):
+        return cast("type", second)
+    try:
+        return type(name, (first, second), {"__module__": __name__, "_pdist_kind": kind})
+    except TypeError:  # a layout conflict (an exception type implemented in C with its own)
+        return None
+
+
+def _joined(kind: type[BaseException]) -> type | None:
+    if kind in (TypeError, ValueError):
+        return _PEER_TYPES[kind.__name__]
+    travels_as = getattr(kind, "_pdist_kind", kind.__name__)
+    return _join(RemoteError, cast("Any", kind), f"Remote{kind.__name__}", travels_as)
+
+
+def translated(error: BaseException, as_type: type[BaseException], message: str) -> BaseException:
+    """``message`` as an ``as_type`` that is still an instance of ``error``'s type, chained to it.
+
+    For errors pdist explains better than the original did (a pickling
+    failure becomes a ``TypeError`` saying what to do) while code that catches
+    the original type, as it would around torch, still catches it.
+    """
+    name = f"{as_type.__name__}From{type(error).__name__}"
+    joined = _join(cast("Any", as_type), cast("Any", type(error)), name, as_type.__name__)
+    try:
+        out = joined(message) if joined is not None and joined is not type(error) else None
+    except Exception:  # a type whose constructor wants other arguments
+        out = None
+    if out is None or str(out) != message:
+        out = as_type(message)
+    out.__cause__ = error
+    return out
+
+
+def failure(message: str, kind: str, own: BaseException | None) -> BaseException:
+    """The error a rank raises for a collective that failed on some rank.
+
+    ``own`` is this rank's own error when it is the failing rank: the result is
+    then an instance of ``own``'s type too, with ``own`` as its cause. Peers get
+    a :class:`RemoteError` (a ``TypeError`` or ``ValueError`` for those kinds).
+    """
+    if own is None:
+        return _PEER_TYPES.get(kind, RemoteError)(message)
+    if isinstance(own, RemoteError):
+        return own
+    joined = _joined(type(own))
+    try:
+        error: BaseException = joined(message)  # type: ignore[misc]
+        if str(error) != message:  # a type that formats its arguments (KeyError quotes them)
+            raise TypeError(message)
+    except Exception:  # no joined class, or a type whose construction or text differs
+        if hasattr(own, "add_note"):
+            own.add_note(message)
+        return own
+    error.__cause__ = own
+    return error

@@ -229,15 +229,19 @@ class Group:
             ValueError: ``index`` is outside ``range(world_size)``.
         """
         if isinstance(index, bool) or not isinstance(index, int):
-            msg = f"{name}={index!r} must be an int index into the group's ranks"
+            msg = f"{name}={index!r} on rank {self.rank} must be an int index into the group"
             raise TypeError(msg)
         if not 0 <= index < self.world_size:
             msg = (
-                f"{name}={index!r} is outside group {self.name!r} of size {self.world_size}; "
-                f"{name} is group-relative: use 0..{self.world_size - 1}"
+                f"{name}={index!r} is outside group {self.name!r} of size {self.world_size} "
+                f"(on rank {self.rank}); {name} is group-relative: use 0..{self.world_size - 1}"
             )
             raise ValueError(msg)
         return self.ranks[index]
+
+    def transport(self, kind: str) -> ProcessGroup:
+        """The torch group that carries a payload's ``kind`` of bytes: ``"cpu"`` or ``"device"``."""
+        return self.cpu_group if kind == "cpu" else self.device_group
 
     def peer_index(self, index: int | None, default_global: int, name: str) -> int:
         """The group index of a point-to-point peer: ``index``, or ``default_global``'s.

@@ -22,9 +22,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store
 
 from . import _compat, _env
+from ._compat import Store
 from ._errors import PdistError
 from ._group import DistContext
 

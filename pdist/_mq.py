@@ -59,9 +59,9 @@ from typing import Any, Protocol
 
 import attrs
 
-from . import _wire
+from . import _agree, _wire
 from ._env import env_seconds, to_seconds
-from ._errors import PdistError, RankMismatchError
+from ._errors import PdistError, RankMismatchError, RemoteError
 from ._group import DistContext, Group, as_group
 from ._topology import host_blocks, shm_dir
 
@@ -363,7 +363,7 @@ class _MessageQueue:
                 if self._reader is None:
                     return self._write(group, payload, error, what)
                 return self._read(group, self._reader, what)
-            except _wire.RemoteError:
+            except RemoteError:
                 raise  # a failure every rank received in step: the ring is still in order
             except BaseException as exc:
                 self._failure = f"{what} on rank {group.rank}: {type(exc).__name__}: {exc}"
@@ -419,7 +419,8 @@ class _MessageQueue:
             ring.write(seq, _OVERFLOW, b"")
             self._seq = seq
             _wire.broadcast_bytes(group, payload, 0, error=error, what=what)
-        _wire.reraise_own(error, group, what, group.rank)
+        if error is not None:
+            _agree.raise_own(group, error, what, wrap_pdist=True)
         return payload or b""
 
     def _read(self, group: Group, reader: int, what: str) -> bytes:
@@ -468,12 +469,14 @@ class _MessageQueue:
         """Spin briefly, then yield, then sleep in growing steps until ``ready()``.
 
         Bounded by ``timeout`` (None: forever); notices a peer's exit within
-        about half a second (same pid namespace) and logs every minute.
+        about half a second (same pid namespace) and logs every minute, or
+        every group timeout when that is shorter.
         """
         start = time.monotonic()
         sleep = 1e-6
         next_check = start + _PEER_CHECK_SECONDS
-        next_log = start + _LOG_SECONDS
+        every = min(_LOG_SECONDS, self._timeout)
+        next_log = start + every
         while not ready():
             now = time.monotonic()
             waited = now - start
@@ -504,7 +507,7 @@ class _MessageQueue:
                         )
                         raise PdistError(msg)
             if now >= next_log:
-                next_log = now + _LOG_SECONDS
+                next_log = now + every
                 logger.info(
                     "pdist: rank %d has waited %.0fs %s on message_queue group %r (%s: %s)",
                     group.rank,
@@ -581,7 +584,7 @@ class _Plan:
     pids: dict[int, int] | None  # global rank -> pid, when all share a pid namespace
 
 
-def _agree(g: Group, records: list[Any]) -> _Plan:
+def _plan(g: Group, records: list[Any]) -> _Plan:
     """Check the set-up records; the same verdict on every rank (the writer's included)."""
     sizes = {}
     for field in ("chunk_bytes", "chunks"):
@@ -724,7 +727,7 @@ def _attach(
         "pid": os.getpid(),
         "pid_namespace": _pid_namespace(),
     }
-    plan = _agree(g, _wire.exchange(g, record, error=error, what=_WHAT))
+    plan = _plan(g, _wire.exchange(g, record, error=error, what=_WHAT))
     first_host = next(b for b in host_blocks(g) if g.ranks[0] in b)
     others = [r for r in g.ranks if r not in first_host]
     if others:

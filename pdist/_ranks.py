@@ -18,6 +18,7 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar, overload
 import torch.distributed as dist
 
 from . import _wire
+from ._errors import RemoteError
 from ._group import DistContext, Group, as_group
 
 __all__ = ["barrier", "is_local_rank0", "is_rank0", "rank0_first", "rank0_only"]
@@ -47,7 +48,14 @@ class Rank0FirstDecorator(Protocol):
 
 
 def is_rank0(ctx: DistContext | Group) -> bool:
-    """Whether the caller is global rank 0 (no collective)."""
+    """Whether the caller is rank 0: of the job for a context, of the group for a group.
+
+    Given a group, it answers for the group's first rank, the rank
+    ``@rank0_only(group)`` runs on (``is_rank0(ctx.tp)`` is true on every tp
+    group's first rank). No collective.
+    """
+    if isinstance(ctx, Group):
+        return ctx.rank_in_group == 0
     return as_group(ctx, name="ctx").rank == 0
 
 
@@ -111,7 +119,7 @@ def _first_then_others(group: Group, what: str, call: Callable[[], R]) -> R:
             result = call()
         except BaseException as exc:
             # Tell the others, then raise rank 0's own error rather than the wrapper's.
-            with contextlib.suppress(_wire.RemoteError):
+            with contextlib.suppress(RemoteError):
                 _wire.broadcast_bytes(group, None, 0, error=exc, what=what)
             raise
         _wire.broadcast_bytes(group, b"", 0, what=what)

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat
-from ._errors import PdistError
+from ._errors import PdistError, translated
 
 __all__ = [
     "PROTOCOL",
@@ -41,10 +41,8 @@ __all__ = [
     "dtype_of",
     "dumps",
     "loads",
-    "rebuild",
     "safe_or_error",
     "shaped",
-    "tensor_bytes",
 ]
 
 PROTOCOL = 2
@@ -95,33 +93,6 @@ class TensorSpec(NamedTuple):
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
         return math.prod(self.shape) * self.torch_dtype.itemsize
-
-
-def resolved(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached, with a pending conjugation or negation applied (a copy only then).
-
-    Conjugate and negative views cannot be viewed as bytes; resolving them
-    before anything is sent keeps packing from failing half-way.
-    """
-    flat = t.detach()
-    if flat.is_conj():
-        flat = flat.resolve_conj()
-    if flat.is_neg():
-        flat = flat.resolve_neg()
-    return flat
-
-
-def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s data as a flat contiguous uint8 tensor on its own device (a view when possible)."""
-    flat = resolved(t)
-    flat = flat.view(-1) if flat.is_contiguous() else flat.contiguous().view(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def rebuild(spec: TensorSpec, data: torch.Tensor) -> torch.Tensor:
-    """The tensor described by ``spec`` from its flat uint8 ``data`` (a view of it)."""
-    dtype = spec.torch_dtype
-    return shaped(spec, data if dtype == torch.uint8 else data.view(dtype))
 
 
 def shaped(spec: TensorSpec, flat: torch.Tensor) -> torch.Tensor:
@@ -202,7 +173,8 @@ def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
     """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those.
 
     Raises:
-        TypeError: ``obj`` cannot be pickled (its message says why and what to do).
+        TypeError: ``obj`` cannot be pickled (its message says why and what to do; also
+            an instance of the pickling error's own type).
     """
     buf = io.BytesIO()
     pickler = _Pickler(buf)
@@ -216,7 +188,8 @@ def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
             "classes and functions: define those at module level (not as lambdas or inside "
             "functions), or send plain data"
         )
-        raise TypeError(msg) from exc
+        # Still the pickling error's own type: code that catches it around torch catches it.
+        raise translated(exc, TypeError, msg) from exc
     return buf.getvalue(), pickler.entries
 
 

@@ -27,7 +27,6 @@ block exits) a group of its own.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -36,8 +35,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from . import _compat, _wire
-from ._errors import PdistError, RankMismatchError
+from . import _agree, _compat
+from ._errors import PdistError
 from ._group import DistContext, Group, Lifetime, ProcessGroup
 from ._layout import AXES, GROUP_AXES, Layout, consecutive_groups, make_layout
 
@@ -235,7 +234,7 @@ def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str,
     Raises:
         RankMismatchError: Ranks passed different ``tp`` or ``sp`` (on every rank).
     """
-    _agreed_or_raise(world, "distributed()", f"tp={layout.tp}, sp={layout.sp}", None)
+    _agree.check_same(world, "distributed()", f"tp={layout.tp}, sp={layout.sp}", None)
     world.lifetime.cache[_SUBGROUP_TIMEOUT] = timeout
     return {
         axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
@@ -275,28 +274,6 @@ def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     yield attrs.evolve(ctx, tp=group)
 
 
-def _agreed_or_raise(world: Group, what: str, summary: str, error: Exception | None) -> None:
-    """Check every rank passed the same arguments; raise the same error on every rank.
-
-    ``summary`` describes this rank's arguments and ``error`` is its own
-    validation error, if any. One small all-reduce compares digests; only when
-    they differ do the ranks exchange short descriptions, for the message.
-    """
-    text = f"{type(error).__name__}: {error}" if error is not None else summary
-    digest = hashlib.sha256(text.encode()).digest()
-    if world.world_size > 1 and not _wire.agree(world, digest):
-        short = text if len(text) <= 200 else text[:197] + "..."
-        records = _wire.exchange(world, short, what=what)
-        by_text: dict[str, list[int]] = {}
-        for r, t in enumerate(records):
-            by_text.setdefault(str(t), []).append(world.ranks[r])
-        parts = "; ".join(f"ranks {ranks}: {t}" for t, ranks in by_text.items())
-        msg = f"{what}: ranks passed different arguments; {parts}"
-        raise RankMismatchError(msg)
-    if error is not None:
-        raise type(error)(f"{what}: {error}")
-
-
 def _subgroup_timeout(ctx: DistContext) -> timedelta:
     """The timeout of groups built after start-up: the subgroups', not a reused world's."""
     timeout = ctx.world.lifetime.cache.get(_SUBGROUP_TIMEOUT, ctx.tp.timeout)
@@ -315,7 +292,7 @@ def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) ->
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
     label = name if isinstance(name, str) and name else default
-    _agreed_or_raise(ctx.world, f"new group {label!r}", f"size={size!r}", error)
+    _agree.check_same(ctx.world, f"new group {label!r}", f"size={size!r}", error)
     timeout = _subgroup_timeout(ctx)
     return _require(build_partition(ctx.world, label, blocks, timeout=timeout), label)
 
@@ -449,7 +426,7 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
         blocks, error = _check_rank_lists(rank_lists, ctx.world_size), None
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
-    _agreed_or_raise(ctx.world, f"new_group(name={name!r})", repr(blocks), error)
+    _agree.check_same(ctx.world, f"new_group(name={name!r})", repr(blocks), error)
     return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx))
 
 

@@ -26,9 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _agree
+from ._buffers import bytes_of
+from ._compat import all_gather_into
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
-from ._wire import all_gather_into, bytes_of
 
 __all__ = [
     "RECORD_BYTES",
@@ -140,17 +142,6 @@ def _parse(group: Group, data: bytes) -> list[tuple[bytes, str, str]]:
     return out
 
 
-def _verdict(group: Group, failed: bool) -> int | None:
-    """The lowest group index that reported a failure, agreed with one all-reduce (or None)."""
-    if group.world_size == 1:
-        return group.rank_in_group if failed else None
-    n = group.world_size
-    flag = torch.tensor([n - 1 - group.rank_in_group if failed else -1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.cpu_group)
-    worst = int(flag.item())
-    return None if worst < 0 else n - 1 - worst
-
-
 def _probe_matches(name: str) -> bool:
     path = os.path.join(shm_dir(), _PROBE_PREFIX + name)
     try:
@@ -190,7 +181,7 @@ def host_blocks(group: Group) -> list[tuple[int, ...]]:
                 f.write(probe.encode())
         except OSError as exc:
             error = exc
-        bad = _verdict(group, error is not None)  # doubles as "every probe exists"
+        bad = _agree.first_failing(group, error is not None)  # doubles as "every probe exists"
         if bad is not None:
             msg = (
                 f"host detection on group {group.name!r}: rank {group.ranks[bad]} could not "
@@ -199,7 +190,7 @@ def host_blocks(group: Group) -> list[tuple[int, ...]]:
             )
             raise PdistError(msg)
         unreadable = [p for p in candidates if not _probe_matches(p)]
-        bad = _verdict(group, bool(unreadable))
+        bad = _agree.first_failing(group, bool(unreadable))
         if bad is not None:
             msg = (
                 f"host detection on group {group.name!r}: rank {group.ranks[bad]} shares a "

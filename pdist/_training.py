@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _compat, _wire
-from ._broadcast import DEFAULT_BUCKET_BYTES
+from . import _agree, _compat, _wire
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._payload import Fill, place, process_group, staging
+from ._objects import broadcast_tensors
 from ._serialize import dtype_name
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
@@ -466,14 +464,23 @@ def sync_model_states(
             raise error
         return
     entries = [_entry(n, t) for n, t in states]
-    digest = hashlib.sha256(repr(entries).encode()).hexdigest()
-    records = _wire.exchange(g, [src, digest], error=error, what=what)
+    # One status all-reduce carries every rank's failure and a digest of (src, entries).
+    if not _agree.status(g, error, what=what, summary=repr([src, entries])):
+        _raise_difference(g, src, entries, what)
+    with torch.no_grad():
+        broadcast_tensors(g, [t for _, t in states], src, what=what)
+
+
+def _raise_difference(g: Group, src: int, entries: list[Any], what: str) -> NoReturn:
+    """After a digest mismatch: every rank's src and entries, for a message naming what differs."""
+    records = _wire.exchange(g, [src, entries], what=what)
     for rank, record in zip(g.ranks, records, strict=True):
         if not (
             isinstance(record, list)
             and len(record) == 2
             and type(record[0]) is int
-            and isinstance(record[1], str)
+            and isinstance(record[1], list)
+            and all(isinstance(e, list) and len(e) == 4 for e in record[1])
         ):
             msg = (
                 f"{what} on group {g.name!r}: rank {rank} sent a malformed record "
@@ -481,74 +488,18 @@ def sync_model_states(
             )
             raise PdistError(msg)
     srcs = [r[0] for r in records]
-    if len(set(map(repr, srcs))) > 1:
+    if len(set(srcs)) > 1:
         by_rank = ", ".join(f"rank {r}: src={s!r}" for r, s in zip(g.ranks, srcs, strict=True))
         msg = f"{what}: the ranks passed different src ({by_rank}); pass the same src on every rank"
         raise RankMismatchError(msg)
-    digests = [r[1] for r in records]
-    if len(set(digests)) > 1:
-        # Only now the full lists: the common path exchanges 64 bytes.
-        lists = _wire.exchange(g, entries, what=what)
-        bad = [g.ranks[i] for i, d in enumerate(digests) if d != digests[src]]
-        first_bad = g.ranks.index(bad[0])
-        try:
-            difference = _first_difference(lists[src], lists[first_bad])
-        except (TypeError, ValueError, IndexError, KeyError):  # JSON, but not pdist's entries
-            difference = "unknown (a rank sent a malformed list of entries)"
-        msg = (
-            f"{what}: the states of ranks {bad} differ from those of src rank "
-            f"{g.ranks[src]}: first difference (src vs rank {bad[0]}): {difference}"
-        )
-        raise RankMismatchError(msg)
-    with torch.no_grad():
-        broadcast_tensors(g, [t for _, t in states], src, what=what)
-
-
-def broadcast_tensors(
-    group: Group,
-    tensors: list[torch.Tensor],
-    src: int,
-    *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    what: str = "broadcast_tensors",
-) -> None:
-    """Broadcast ``tensors`` (same shapes and dtypes on every rank) from ``src``, in place.
-
-    Both sides know the layout, so no header travels: the source packs the
-    tensors into byte buckets per transport, receivers unpack them into their
-    own tensors. A tensor of a bucket of its own that lives on its
-    transport's device is received in place; any other is received into a
-    staging buffer and copied into the tensor itself (never into a copy).
-    Staging and packing happen before one 8-byte status all-reduce, so a
-    failure there raises on every rank instead of leaving the others waiting.
-
-    .. note:: All ranks of the group must call it.
-    """
-    src_global = group.global_rank(src)
-    is_src = group.rank_in_group == src
-    fills: list[Fill] = []
-    buffers: list[torch.Tensor] = []
-    flats: list[torch.Tensor | None] = []
-    failure: BaseException | None = None
+    lists = [r[1] for r in records]
+    bad = [g.ranks[i] for i, entries_i in enumerate(lists) if entries_i != lists[src]]
     try:
-        for t in tensors:
-            place(fills, t, group.device, bucket_bytes)
-        flats = staging(fills, [f.size for f in fills], receiving=not is_src)
-        buffers = [
-            fill.pack(flat) if is_src else fill.receive_buffer(flat)
-            for fill, flat in zip(fills, flats, strict=True)
-        ]
-    except Exception as exc:
-        failure = exc
-    if fills or failure is not None:
-        _wire.settle(group, failure, what=what)
-    works = [
-        dist.broadcast(buffer, src=src_global, group=process_group(group, fill.kind), async_op=True)
-        for fill, buffer in zip(fills, buffers, strict=True)
-    ]
-    for work, fill, flat, buffer in zip(works, fills, flats, buffers, strict=True):
-        if work is not None:
-            work.wait()
-        # A lone tensor (no staging buffer) was received in place; the others are unpacked.
-        if flat is not None and not is_src:
-            fill.unpack(buffer)
+        difference = _first_difference(lists[src], lists[g.ranks.index(bad[0])])
+    except (TypeError, ValueError, IndexError, KeyError):  # JSON, but not pdist's entries
+        difference = "unknown (a rank sent a malformed list of entries)"
+    msg = (
+        f"{what}: the states of ranks {bad} differ from those of src rank "
+        f"{g.ranks[src]}: first difference (src vs rank {bad[0]}): {difference}"
+    )
+    raise RankMismatchError(msg)

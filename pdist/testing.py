@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from ._errors import PdistError
 
-__all__ = ["SpawnError", "count_collectives", "spawn", "world_sizes"]
+__all__ = ["SpawnError", "count_collectives", "inject", "spawn", "world_sizes"]
 
 R = TypeVar("R")
 
@@ -229,8 +229,7 @@ def spawn(
             the workers are then killed.
         ValueError: ``world_size`` is not a positive int.
     """
-    from torch.distributed import TCPStore
-
+    from ._compat import TCPStore
     from ._env import to_seconds
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -389,6 +388,50 @@ def count_collectives() -> Iterator[collections.Counter[str]]:
         name = event.name
         if name.startswith(("gloo:", "nccl:")):
             counts[name] += 1
+
+
+# --------------------------------------------------------------------------- fault injection
+
+
+@contextlib.contextmanager
+def inject(
+    *,
+    allocate: Callable[[int], object] | None = None,
+    pack: Callable[[int], object] | None = None,
+    outgoing: Callable[[bytes], bytes] | None = None,
+) -> Iterator[None]:
+    """Inject faults into this rank's pdist calls inside the block: pdist's three test seams.
+
+    Each hook is called at one place pdist keeps on purpose; what it raises is
+    that step's failure on this rank, so a test can check that every other
+    rank raises too instead of waiting (see the testing guide).
+
+    Args:
+        allocate: Called with the size in bytes before every buffer pdist sends
+            from or receives into (staging, receive buffers, framed messages);
+            raise to make that allocation fail.
+        pack: Called with the bucket's index before each bucket of tensors is
+            packed for sending; raise to make packing fail.
+        outgoing: Given every framed message this rank is about to send (a
+            header of status and length, then the body), returns what to send
+            instead: a hostile or corrupt peer.
+
+    Example::
+
+        def out_of_memory(nbytes):
+            if nbytes >= 1 << 20:
+                raise RuntimeError("simulated out of memory")
+
+        with pdist.testing.inject(allocate=out_of_memory):
+            pdist.broadcast_object(ctx, None)  # every rank raises, naming this one
+    """
+    from . import _seams
+
+    token = _seams.active.set(_seams.Faults(allocate=allocate, pack=pack, outgoing=outgoing))
+    try:
+        yield
+    finally:
+        _seams.active.reset(token)
 
 
 # --------------------------------------------------------------------------- pytest glue

@@ -1,7 +1,13 @@
-"""How each rank's call ended: the shared runner of the one-bad-rank (fail together) tests."""
+"""The one-bad-rank (fail together) tests' shared pieces: a case, its runner, its assertions.
+
+A case names the call every rank makes (one rank gets the bad input, or a
+fault injected through ``pdist.testing.inject``), the world size, the bad
+rank, the error type every rank must raise and a pattern of its message.
+"""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,3 +47,59 @@ def outcome_of(
     seconds = time.monotonic() - start
     after = pdist.all_gather_object(ctx, ctx.rank)
     return Outcome(kind, message, seconds, is_pdist, is_expected, after)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One rank goes wrong; every rank must raise ``expected`` matching ``pattern``, quickly."""
+
+    call: Callable[[pdist.DistContext], object]
+    world: int
+    bad: int
+    expected: type[BaseException]
+    pattern: str  # a regular expression found in every rank's message
+    names_the_rank: bool = True  # the message says "failed on rank <bad>"
+
+
+def run_case(case: Case) -> Outcome:
+    """A rank's side of ``case`` (runs inside ``spawn``), under a 30 s collective timeout."""
+    with pdist.distributed(timeout=30) as ctx:
+        return outcome_of(ctx, lambda: case.call(ctx), case.expected)
+
+
+def assert_failed_together(case: Case, outcomes: list[Outcome]) -> None:
+    """Every rank raised a pdist error of the expected type within 10 s; nobody is left waiting.
+
+    The peers raise one type; the bad rank may raise its own error's type too.
+    """
+    for rank, out in enumerate(outcomes):
+        assert out.type != "returned", (rank, outcomes)
+        assert out.pdist, (rank, out)
+        assert out.expected, (rank, out)
+        assert re.search(case.pattern, out.message), (rank, out)
+        if case.names_the_rank:
+            assert f"failed on rank {case.bad}" in out.message, (rank, out)
+        assert out.seconds < 10, (rank, out)
+        assert out.after == list(range(case.world)), (rank, out)
+    peers = {o.type for r, o in enumerate(outcomes) if r != case.bad}
+    assert len(peers) == 1, outcomes
+
+
+def out_of_memory(from_bytes: int) -> Callable[[int], None]:
+    """An ``allocate`` hook: every buffer of ``from_bytes`` or more fails on this rank."""
+
+    def allocate(nbytes: int) -> None:
+        if nbytes >= from_bytes:
+            raise RuntimeError("simulated out of memory")
+
+    return allocate
+
+
+def fails(text: str, *, from_index: int = 0) -> Callable[[int], None]:
+    """A ``pack`` hook: packing bucket ``from_index`` and later ones raises ``text``."""
+
+    def pack(index: int) -> None:
+        if index >= from_index:
+            raise RuntimeError(text)
+
+    return pack

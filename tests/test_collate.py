@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
+import functools
 
 import pytest
 import torch
-from fail_together import outcome_of
+from fail_together import Case, assert_failed_together, out_of_memory, run_case
 from torch.utils.data import DataLoader
 
 import pdist
@@ -242,64 +242,69 @@ class _OwnDispatch(torch.Tensor):
         raise RuntimeError(f"{func} is not supported on this subclass")
 
 
-def _one_bad_rank(case: str):
-    """Run collate_batches with one rank's input broken as ``case`` says; how each rank ended."""
-    with pdist.distributed(timeout=30) as ctx:
-        size = 7 if case in ("None", "meta", "sparse") else 2  # 2 on 3 ranks: rank 2 has none
-        batches = [{"x": torch.tensor([[float(i)]])} for i in pdist.EvalSampler(range(size), ctx)]
-        if case == "None" and ctx.rank == 1:
-            batches = None
-        elif case == "meta" and ctx.rank == 1:
-            batches = [{"x": torch.zeros(1, 1, device="meta")} for _ in batches]
-        elif case == "sparse" and ctx.rank == 1:
-            batches = [{"x": b["x"].to_sparse()} for b in batches]
-        elif case == "zero samples, others on meta" and batches:
-            batches = [{"x": torch.zeros(1, 1, device="meta")} for _ in batches]
-        elif case == "zero samples, others hold subclasses" and batches:
-            batches = [{"x": _OwnDispatch(b["x"])} for b in batches]
-        real_buffer = pdist._collate.buffer
-        if case == "zero samples, allocation fails" and ctx.rank == 0:
+def _one_bad_rank(case: str, ctx):
+    """collate_batches with one rank's input broken as ``case`` says."""
+    size = 7 if case in ("None", "meta", "sparse") else 2  # 2 on 3 ranks: rank 2 has none
+    batches = [{"x": torch.tensor([[float(i)]])} for i in pdist.EvalSampler(range(size), ctx)]
+    if case == "None" and ctx.rank == 1:
+        batches = None
+    elif case == "meta" and ctx.rank == 1:
+        batches = [{"x": torch.zeros(1, 1, device="meta")} for _ in batches]
+    elif case == "sparse" and ctx.rank == 1:
+        batches = [{"x": b["x"].to_sparse()} for b in batches]
+    elif case == "zero samples, others on meta" and batches:
+        batches = [{"x": torch.zeros(1, 1, device="meta")} for _ in batches]
+    elif case == "zero samples, others hold subclasses" and batches:
+        batches = [{"x": _OwnDispatch(b["x"])} for b in batches]
+    if case == "zero samples, allocation fails" and ctx.rank == 0:
+        with pdist.testing.inject(allocate=out_of_memory(1)):
+            pdist.collate_batches(ctx, batches)
+    else:
+        pdist.collate_batches(ctx, batches)
 
-            def buffer(nbytes, device):
-                raise RuntimeError("out of memory (simulated)")
 
-            pdist._collate.buffer = buffer
-
-        def collate() -> None:
-            try:
-                pdist.collate_batches(ctx, batches)
-            finally:
-                pdist._collate.buffer = real_buffer
-
-        return outcome_of(ctx, collate)
+def _case(name: str, bad: int, expected: type[BaseException], pattern: str) -> Case:
+    return Case(functools.partial(_one_bad_rank, name), 3, bad, expected, pattern)
 
 
 # A bad argument stays a TypeError/ValueError on every rank (a RemoteError subclass).
 ONE_BAD_RANK = {
-    "None": (
-        "RemoteTypeError",
+    "None": _case(
+        "None",
+        1,
+        TypeError,
         r"failed on rank 1: TypeError: batches must be a list .*got None; pass \[\] on a rank",
     ),
-    "meta": (
-        "RemoteValueError",
+    "meta": _case(
+        "meta",
+        1,
+        ValueError,
         r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is on meta; .* \.cpu\(\)",
     ),
-    "sparse": (
-        "RemoteValueError",
+    "sparse": _case(
+        "sparse",
+        1,
+        ValueError,
         r"failed on rank 1: ValueError: leaf \['x'\] of batch 0 is a torch.sparse_coo tensor",
     ),
-    "zero samples, others on meta": (
-        "RemoteValueError",
+    "zero samples, others on meta": _case(
+        "zero samples, others on meta",
+        0,
+        ValueError,
         r"failed on rank 0: ValueError: leaf \['x'\] .* on meta",
     ),
-    "zero samples, others hold subclasses": (
-        "RemoteValueError",
+    "zero samples, others hold subclasses": _case(
+        "zero samples, others hold subclasses",
+        0,
+        ValueError,
         r"failed on rank 0: ValueError: leaf \['x'\] of batch 0 is a _OwnDispatch, a tensor "
         r"subclass with its own dispatch; pass plain tensors",
     ),
-    "zero samples, allocation fails": (
-        "RemoteError",
-        r"failed on rank 0: RuntimeError: out of memory",
+    "zero samples, allocation fails": _case(
+        "zero samples, allocation fails",
+        0,
+        pdist.PdistError,
+        r"failed on rank 0: PdistError: could not allocate .*simulated out of memory",
     ),
 }
 
@@ -307,21 +312,17 @@ ONE_BAD_RANK = {
 @pytest.mark.parametrize("case", list(ONE_BAD_RANK))
 def test_one_bad_rank_fails_every_rank_within_seconds(case):
     """One rank's bad input (or failed allocation) raises the same error on every rank, quickly."""
-    results = pdist.testing.spawn(_one_bad_rank, 3, case)
-    kind, pattern = ONE_BAD_RANK[case]
-    messages = {o.message for o in results}
-    assert {o.type for o in results} == {kind}, results
-    assert len(messages) == 1, results
-    assert re.search(pattern, messages.pop()), results
-    assert all(o.seconds < 10 for o in results), results
-    assert all(o.after == [0, 1, 2] for o in results), results
+    bad = ONE_BAD_RANK[case]
+    results = pdist.testing.spawn(run_case, bad.world, bad)
+    assert_failed_together(bad, results)
+    assert len({o.message for o in results}) == 1, results
 
 
 @pytest.mark.parametrize("samples", [0, 3])
 def test_packing_zeroes_the_bytes_no_sample_fills(samples):
     """Padding rows and alignment gaps go on the wire as zeros, never as leftover memory."""
+    from pdist._buffers import offsets as layout
     from pdist._collate import _Call, _Leaf, _pack
-    from pdist._payload import layout
 
     specs = [_Leaf(torch.float32, [3], "cpu"), _Leaf(torch.int64, [], "cpu")]
     local = [[torch.arange(3.0 * samples).view(samples, 3) + 1], [torch.arange(samples) + 7]]

@@ -9,16 +9,15 @@ ranks), instead of waiting for the 30 s timeout.
 
 from __future__ import annotations
 
+import re
 import sys
-from unittest import mock
 
 import pytest
 import torch
-from fail_together import outcome_of
+from fail_together import Case, assert_failed_together, fails, out_of_memory, outcome_of, run_case
 
 import pdist
-from pdist import _payload
-from pdist.testing import spawn, world_sizes
+from pdist.testing import inject, spawn, world_sizes
 
 BIG = 8192  # elements: tensors of 32 KiB and more travel in buckets
 
@@ -34,24 +33,22 @@ def _payload_with_buckets():
     return {"w": torch.arange(float(BIG)), "step": 3}
 
 
-def _fail(target, name: str, text: str):
-    return mock.patch.object(target, name, side_effect=RuntimeError(text))
-
-
 LARGE = b"x" * (2 << 20)  # a skeleton whose rest (past the first 4 KiB chunk) is over 1 MiB
-_EMPTY = torch.empty
-
-
-def _empty_fails_from_1_mib(*args, **kwargs):
-    size = args[0] if args else kwargs.get("size")
-    if isinstance(size, int) and size >= 1 << 20:
-        raise RuntimeError("simulated out of memory")
-    return _EMPTY(*args, **kwargs)
+BUCKETS = 16 << 10  # buffers this large or more: the buckets, not the framing's first chunks
 
 
 def _large_allocations_fail():
-    """Every torch.empty of 1 MiB or more fails on this rank (the framing's own buffers)."""
-    return mock.patch("torch.empty", _empty_fails_from_1_mib)
+    """Every buffer of 1 MiB or more fails on this rank (the framing's own rests)."""
+    return inject(allocate=out_of_memory(1 << 20))
+
+
+def _buckets_cannot_allocate():
+    """The buffers of the tensors (and the gathers' regions) fail on this rank."""
+    return inject(allocate=out_of_memory(BUCKETS))
+
+
+def _packing_fails(from_index: int = 0, text: str = "simulated packing failure"):
+    return inject(pack=fails(text, from_index=from_index))
 
 
 # --------------------------------------------------------------------------- cases
@@ -61,7 +58,7 @@ def _large_allocations_fail():
 def _bol_pack_fails(ctx):
     objs = [_payload_with_buckets()] if ctx.rank == 0 else [None]
     if ctx.rank == 0:
-        with _fail(_payload.Fill, "pack", "simulated packing failure"):
+        with _packing_fails():
             pdist.broadcast_object_list(ctx, objs)
     else:
         pdist.broadcast_object_list(ctx, objs)
@@ -74,23 +71,14 @@ def _bol_late_pack_fails(ctx):
     if ctx.rank != 0:
         pdist.broadcast_object_list(ctx, objs)
         return
-    real = _payload.Fill.pack
-    calls = []
-
-    def pack(self, flat):
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError("simulated late packing failure")
-        return real(self, flat)
-
-    with mock.patch.object(_payload.Fill, "pack", pack):
+    with _packing_fails(from_index=1, text="simulated late packing failure"):
         pdist.broadcast_object_list(ctx, objs)
 
 
 def _mq_tensor_dict_pack_fails(ctx):
     with pdist.message_queue(ctx.world) as group:
         if ctx.rank == 0:
-            with _fail(_payload.Fill, "pack", "simulated packing failure"):
+            with _packing_fails():
                 pdist.broadcast_tensor_dict(group, _payload_with_buckets())
         else:
             pdist.broadcast_tensor_dict(group)
@@ -98,7 +86,7 @@ def _mq_tensor_dict_pack_fails(ctx):
 
 def _send_tensor_dict_pack_fails(ctx):
     if ctx.rank == 0:
-        with _fail(_payload.Fill, "pack", "simulated packing failure"):
+        with _packing_fails():
             pdist.send_tensor_dict(ctx, _payload_with_buckets(), dst=1)
     elif ctx.rank == 1:
         pdist.recv_tensor_dict(ctx, src=0)
@@ -129,7 +117,7 @@ def _bol_receiver_bad_min_bytes(ctx):
 def _bol_receiver_allocation_fails(ctx):
     objs = [_payload_with_buckets()] if ctx.rank == 0 else [None]
     if ctx.rank == 1:
-        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+        with _buckets_cannot_allocate():
             pdist.broadcast_object_list(ctx, objs)
     else:
         pdist.broadcast_object_list(ctx, objs)
@@ -137,7 +125,7 @@ def _bol_receiver_allocation_fails(ctx):
 
 def _tensor_dict_receiver_allocation_fails(ctx):
     if ctx.rank == 1:
-        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+        with _buckets_cannot_allocate():
             pdist.broadcast_tensor_dict(ctx)
     else:
         pdist.broadcast_tensor_dict(ctx, _payload_with_buckets() if ctx.rank == 0 else None)
@@ -145,7 +133,7 @@ def _tensor_dict_receiver_allocation_fails(ctx):
 
 def _all_gather_allocation_fails(ctx):
     if ctx.rank == 1:
-        with _fail(_payload, "buffer", "simulated out of memory"):
+        with _buckets_cannot_allocate():
             pdist.all_gather_object(ctx, _payload_with_buckets())
     else:
         pdist.all_gather_object(ctx, _payload_with_buckets())
@@ -157,7 +145,7 @@ def _all_gather_bad_safe(ctx):
 
 def _gather_allocation_fails(ctx):
     if ctx.rank == 1:
-        with _fail(_payload, "buffer", "simulated out of memory"):
+        with _buckets_cannot_allocate():
             pdist.gather_object(ctx, _payload_with_buckets(), dst=1)
     else:
         pdist.gather_object(ctx, _payload_with_buckets(), dst=1)
@@ -171,7 +159,7 @@ def _recv_object_allocation_fails(ctx):
     if ctx.rank == 0:
         pdist.send_object(ctx, _payload_with_buckets(), dst=1)
     elif ctx.rank == 1:
-        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+        with _buckets_cannot_allocate():
             pdist.recv_object(ctx, src=0)
 
 
@@ -186,7 +174,7 @@ def _recv_tensor_dict_allocation_fails(ctx):
     if ctx.rank == 0:
         pdist.send_tensor_dict(ctx, _payload_with_buckets(), dst=1)
     elif ctx.rank == 1:
-        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+        with _buckets_cannot_allocate():
             pdist.recv_tensor_dict(ctx, src=0)
 
 
@@ -196,7 +184,7 @@ def _staged_receiver_allocation_fails(ctx):
     if ctx.rank < 2:
         pdist.send_tensor_dict(ctx, _payload_with_buckets(), dst=ctx.rank + 2, all_gather_group=tp)
     elif ctx.rank == 3:
-        with _fail(_payload, "empty_buckets", "simulated out of memory"):
+        with _buckets_cannot_allocate():
             pdist.recv_tensor_dict(ctx, src=1, all_gather_group=tp)
     else:
         pdist.recv_tensor_dict(ctx, src=0, all_gather_group=tp)
@@ -261,175 +249,114 @@ def _send_large_cannot_allocate(ctx):
 
 
 CASES = {
-    # name: (function, world size, bad rank, expected type, text in the message)
-    "broadcast_large_receiver_cannot_allocate": (
+    # name: the call, world size, the bad rank, the error type on every rank, the text
+    "broadcast_large_receiver_cannot_allocate": Case(
         _broadcast_large_receiver_cannot_allocate,
         3,
         1,
         RuntimeError,
-        "simulated out of memory",
+        re.escape("simulated out of memory"),
     ),
-    "broadcast_large_source_cannot_allocate": (
+    "broadcast_large_source_cannot_allocate": Case(
         _broadcast_large_source_cannot_allocate,
         3,
         0,
         RuntimeError,
-        "simulated out of memory",
+        re.escape("simulated out of memory"),
     ),
-    "mq_large_receiver_cannot_allocate": (
-        _mq_large_receiver_cannot_allocate,
-        3,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "mq_large_receiver_cannot_allocate": Case(
+        _mq_large_receiver_cannot_allocate, 3, 1, RuntimeError, re.escape("simulated out of memory")
     ),
-    "all_gather_large_cannot_allocate": (
-        _all_gather_large_cannot_allocate,
-        3,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "all_gather_large_cannot_allocate": Case(
+        _all_gather_large_cannot_allocate, 3, 1, RuntimeError, re.escape("simulated out of memory")
     ),
-    "gather_large_destination_cannot_allocate": (
+    "gather_large_destination_cannot_allocate": Case(
         _gather_large_destination_cannot_allocate,
         3,
         1,
         RuntimeError,
-        "simulated out of memory",
+        re.escape("simulated out of memory"),
     ),
-    "recv_large_cannot_allocate": (
-        _recv_large_cannot_allocate,
-        2,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "recv_large_cannot_allocate": Case(
+        _recv_large_cannot_allocate, 2, 1, RuntimeError, re.escape("simulated out of memory")
     ),
-    "send_large_cannot_allocate": (
-        _send_large_cannot_allocate,
-        2,
-        0,
-        RuntimeError,
-        "simulated out of memory",
+    "send_large_cannot_allocate": Case(
+        _send_large_cannot_allocate, 2, 0, RuntimeError, re.escape("simulated out of memory")
     ),
-    "bol_pack_fails": (_bol_pack_fails, 3, 0, RuntimeError, "simulated packing failure"),
-    "bol_late_pack_fails": (
-        _bol_late_pack_fails,
-        3,
-        0,
-        RuntimeError,
-        "simulated late packing failure",
+    "bol_pack_fails": Case(
+        _bol_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
     ),
-    "mq_tensor_dict_pack_fails": (
-        _mq_tensor_dict_pack_fails,
-        3,
-        0,
-        RuntimeError,
-        "simulated packing failure",
+    "bol_late_pack_fails": Case(
+        _bol_late_pack_fails, 3, 0, RuntimeError, re.escape("simulated late packing failure")
     ),
-    "send_tensor_dict_pack_fails": (
-        _send_tensor_dict_pack_fails,
-        2,
-        0,
-        RuntimeError,
-        "simulated packing failure",
+    "mq_tensor_dict_pack_fails": Case(
+        _mq_tensor_dict_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
     ),
-    "send_tensor_dict_not_a_dict": (
+    "send_tensor_dict_pack_fails": Case(
+        _send_tensor_dict_pack_fails, 2, 0, RuntimeError, re.escape("simulated packing failure")
+    ),
+    "send_tensor_dict_not_a_dict": Case(
         _send_tensor_dict_not_a_dict,
         2,
         0,
         TypeError,
-        "tensor_dict must be a dict, got list",
+        re.escape("tensor_dict must be a dict, got list"),
     ),
-    "bol_receiver_passes_none": (
+    "bol_receiver_passes_none": Case(
         _bol_receiver_passes_none,
         3,
         1,
         TypeError,
-        "object_list=None on rank 1 must be a list",
+        re.escape("object_list=None on rank 1 must be a list"),
     ),
-    "bol_receiver_bad_safe": (_bol_receiver_bad_safe, 3, 1, TypeError, "safe=123 on rank 1"),
-    "bol_receiver_bad_min_bytes": (
-        _bol_receiver_bad_min_bytes,
-        3,
-        1,
-        ValueError,
-        "min_tensor_bytes=-5 on rank 1",
+    "bol_receiver_bad_safe": Case(
+        _bol_receiver_bad_safe, 3, 1, TypeError, re.escape("safe=123 on rank 1")
     ),
-    "bol_receiver_allocation_fails": (
-        _bol_receiver_allocation_fails,
-        3,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "bol_receiver_bad_min_bytes": Case(
+        _bol_receiver_bad_min_bytes, 3, 1, ValueError, re.escape("min_tensor_bytes=-5 on rank 1")
     ),
-    "tensor_dict_receiver_allocation_fails": (
+    "bol_receiver_allocation_fails": Case(
+        _bol_receiver_allocation_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")
+    ),
+    "tensor_dict_receiver_allocation_fails": Case(
         _tensor_dict_receiver_allocation_fails,
         3,
         1,
         RuntimeError,
-        "simulated out of memory",
+        re.escape("simulated out of memory"),
     ),
-    "all_gather_allocation_fails": (
-        _all_gather_allocation_fails,
-        3,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "all_gather_allocation_fails": Case(
+        _all_gather_allocation_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")
     ),
-    "all_gather_bad_safe": (_all_gather_bad_safe, 2, 1, TypeError, "safe='yes' on rank 1"),
-    "gather_allocation_fails": (
-        _gather_allocation_fails,
-        3,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "all_gather_bad_safe": Case(
+        _all_gather_bad_safe, 2, 1, TypeError, re.escape("safe='yes' on rank 1")
     ),
-    "gather_bad_safe": (_gather_bad_safe, 2, 1, TypeError, "safe= on rank 1 lists 1"),
-    "recv_object_allocation_fails": (
-        _recv_object_allocation_fails,
-        2,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "gather_allocation_fails": Case(
+        _gather_allocation_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")
     ),
-    "recv_object_bad_safe": (_recv_object_bad_safe, 2, 1, TypeError, "safe=None on rank 1"),
-    "recv_tensor_dict_allocation_fails": (
-        _recv_tensor_dict_allocation_fails,
-        2,
-        1,
-        RuntimeError,
-        "simulated out of memory",
+    "gather_bad_safe": Case(
+        _gather_bad_safe, 2, 1, TypeError, re.escape("safe= on rank 1 lists 1")
     ),
-    "staged_receiver_allocation_fails": (
-        _staged_receiver_allocation_fails,
-        4,
-        3,
-        RuntimeError,
-        "simulated out of memory",
+    "recv_object_allocation_fails": Case(
+        _recv_object_allocation_fails, 2, 1, RuntimeError, re.escape("simulated out of memory")
+    ),
+    "recv_object_bad_safe": Case(
+        _recv_object_bad_safe, 2, 1, TypeError, re.escape("safe=None on rank 1")
+    ),
+    "recv_tensor_dict_allocation_fails": Case(
+        _recv_tensor_dict_allocation_fails, 2, 1, RuntimeError, re.escape("simulated out of memory")
+    ),
+    "staged_receiver_allocation_fails": Case(
+        _staged_receiver_allocation_fails, 4, 3, RuntimeError, re.escape("simulated out of memory")
     ),
 }
 
 
-def _run_case(name: str):
-    fn, _, _, expected, _ = CASES[name]
-    with pdist.distributed(timeout=30) as ctx:
-        return outcome_of(ctx, lambda: fn(ctx), expected)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_one_bad_rank_makes_every_rank_raise_quickly(name):
-    """Every participating rank raises the same error type, naming the bad rank, within 10 s."""
-    _, world, bad, _, text = CASES[name]
-    outcomes = spawn(_run_case, world, name, timeout=120)
-    for rank, out in enumerate(outcomes):
-        assert out.type != "returned", (rank, outcomes)
-        assert out.pdist, (rank, out)
-        assert out.expected, (rank, out)
-        assert f"failed on rank {bad}" in out.message, (rank, out)
-        assert text in out.message, (rank, out)
-        assert out.seconds < 10, (rank, out)
-        assert out.after == list(range(world))
-    assert len({o.type for o in outcomes}) == 1, outcomes
+    """Every participating rank raises the expected error, naming the bad rank, within 10 s."""
+    case = CASES[name]
+    assert_failed_together(case, spawn(run_case, case.world, case, timeout=120))
 
 
 def _split_mismatch():

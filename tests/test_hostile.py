@@ -21,14 +21,14 @@ import os
 import pickle
 import struct
 import tempfile
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import pdist
-from pdist import _payload, _wire
+from pdist import _agree, _buffers, _payload, _wire
+from pdist._errors import RemoteError
 from pdist.testing import spawn
 
 FIRST = 4096  # pdist's first-chunk size: every crafted message fits it
@@ -202,8 +202,8 @@ def _attack(ctx, path: str, status: int, body: bytes) -> None:
     elif path == "message_queue":
         # The writer's ring slot gets the raw message (error frames included), not a framing of it.
         raw = struct.pack("<Bq", status, len(body)) + body
-        with mock.patch.object(_wire, "frame", return_value=raw):
-            ctx.mq_group.header_transport.broadcast_bytes(ctx.mq_group, b"", 0)
+        with pdist.testing.inject(outgoing=lambda message: raw):
+            ctx.mq_group.header_transport.broadcast_bytes(ctx.mq_group, b"", 0, what="attack")
 
 
 def _receive(ctx, path: str) -> None:
@@ -305,7 +305,7 @@ def _refused(fn) -> None:
     """Run the attacker's part of a status step the victim fails (its RemoteError expected)."""
     try:
         fn()
-    except _wire.RemoteError:
+    except RemoteError:
         return
     raise AssertionError("the victim reported no failure")
 
@@ -328,9 +328,9 @@ def _announce(ctx, path: str, length: int) -> None:
     if length < 0:
         return  # refused on sight
     if path == "recv_object":
-        _refused(lambda: _wire.recv_bytes(world, 1))  # the victim's status reply
+        _refused(lambda: _agree.hear(world, 1, what="attack"))  # the victim's status reply
     else:
-        _refused(lambda: _wire.settle(world, None, what="attack"))
+        _refused(lambda: _agree.status(world, None, what="attack"))
 
 
 SIZE_PATHS = ["broadcast_object", "recv_object", "all_gather_object", "gather_object"]
@@ -420,9 +420,9 @@ def _layouts_rank(safe: bool) -> list[tuple[str, str]]:
             if ctx.rank == 0:
                 dist.broadcast(_frame(OK, message), src=0, group=pg)
                 if nbytes is None:  # the victim refuses the header: its status says so
-                    _refused(lambda: _wire.settle(ctx.world, None, what="attack"))
+                    _refused(lambda: _agree.status(ctx.world, None, what="attack"))
                 else:
-                    _wire.settle(ctx.world, None, what="attack")
+                    _agree.status(ctx.world, None, what="attack")
                     dist.broadcast(torch.zeros(nbytes, dtype=torch.uint8), src=0, group=pg)
                 continue
             outcomes.append((name, _outcome(pdist.broadcast_object, ctx, None, safe=safe)))
@@ -446,7 +446,7 @@ def test_padding_on_the_wire_is_zeros():
     for _ in range(3):
         stale = torch.full((FIRST,), 0xAB, dtype=torch.uint8)
         del stale  # the allocator hands this block out again
-        chunk = _wire.tensor_of(b"ab", FIRST)
+        chunk = _buffers.filled(b"ab", FIRST, what="a test")
         assert bytes(chunk[:2].tolist()) == b"ab"
         assert not chunk[2:].any()
 
@@ -456,7 +456,8 @@ def test_padding_on_the_wire_is_zeros():
 
 def _sync_victim(record):
     with pdist.distributed(timeout=30) as ctx:
-        if ctx.rank == 0:  # the attacker's record instead of [src, digest]
+        if ctx.rank == 0:  # a digest that differs, then its record instead of [src, entries]
+            _agree.status(ctx.world, None, what="attack", summary="not the victim's")
             raw = record if isinstance(record, bytes) else json.dumps(record).encode()
             _wire.all_gather_bytes(ctx.world, raw, what="attack")
             return None
@@ -481,15 +482,25 @@ def test_malformed_sync_records_raise_pdist_errors(record):
         assert "rank 0 sent a malformed record" in outcome, outcome
 
 
+def _odd_namespace(message: bytes) -> bytes:
+    """Rank 1's set-up record with a pid namespace that is not a string (another version's)."""
+    try:
+        record = json.loads(message[9:])
+    except ValueError:
+        return message
+    if not isinstance(record, dict) or "pid_namespace" not in record:
+        return message
+    body = json.dumps({**record, "pid_namespace": ["a", "list"]}).encode()
+    return struct.pack("<Bq", OK, len(body)) + body
+
+
 def _odd_namespace_queue():
     with pdist.distributed(timeout=30) as ctx:
-        odd = ["a", "list"] if ctx.rank == 1 else None
-        patch = (
-            mock.patch.object(pdist._mq, "_pid_namespace", return_value=odd)
-            if odd
-            else contextlib.nullcontext()
-        )
-        with patch, pdist.message_queue(ctx.world) as group:
+        odd = pdist.testing.inject(outgoing=_odd_namespace)
+        with (
+            odd if ctx.rank == 1 else contextlib.nullcontext(),
+            pdist.message_queue(ctx.world) as group,
+        ):
             return pdist.broadcast_object(group, {"step": 3} if ctx.rank == 0 else None)
 
 

@@ -7,15 +7,15 @@ raise the same error type, naming rank 1, within 10 s.
 
 from __future__ import annotations
 
-from unittest import mock
+import re
 
 import pytest
 import torch
-from fail_together import outcome_of
+from fail_together import Case, assert_failed_together, out_of_memory, run_case
 from torch import nn
 
 import pdist
-from pdist.testing import spawn
+from pdist.testing import inject, spawn
 
 
 def _net(seed: int) -> nn.Module:
@@ -57,10 +57,7 @@ def _bad_buffers_flag(ctx):
 def _staging_fails(ctx):
     model = _net(ctx.rank)
     if ctx.rank == 1:
-        failing = mock.patch(
-            "pdist._training.staging", side_effect=RuntimeError("simulated out of memory")
-        )
-        with failing:
+        with inject(allocate=out_of_memory(1)):  # the staging of the tensors fails
             pdist.sync_model_states(ctx, model)
     else:
         pdist.sync_model_states(ctx, model)
@@ -89,49 +86,47 @@ def _dtensor_model(ctx):
 
 
 CASES = {
-    # name: (function, error type on every rank, text in the message)
-    "module_raises": (_module_raises, RuntimeError, "simulated unreadable module"),
-    "model_none": (_bad_model, TypeError, "model=None on rank 1 is not an nn.Module"),
-    "meta_model": (
-        _meta_model,
-        ValueError,
-        "model on rank 1 has parameters or buffers on the meta",
+    # name: the call (rank 1 goes wrong), the error type on every rank, the text
+    "module_raises": Case(
+        _module_raises, 3, 1, RuntimeError, re.escape("simulated unreadable module")
     ),
-    "ignore_int": (_bad_ignore, TypeError, "ignore=5 on rank 1 is not a name"),
-    "ignore_of_ints": (_ignore_of_ints, TypeError, "holds 0, not a name"),
-    "src_out_of_range": (_src_out_of_range, ValueError, "src=7 is outside group 'world'"),
-    "other_src": (_other_src, pdist.RankMismatchError, "rank 1: src=1"),
-    "buffers_flag": (_bad_buffers_flag, TypeError, "broadcast_buffers='yes' on rank 1"),
-    "staging_fails": (_staging_fails, RuntimeError, "simulated out of memory"),
-    "dtensor": (
-        _dtensor_model,
+    "model_none": Case(
+        _bad_model, 3, 1, TypeError, re.escape("model=None on rank 1 is not an nn.Module")
+    ),
+    "meta_model": Case(
+        _meta_model,
+        3,
+        1,
         ValueError,
-        "rank 1 holds DTensor parameters or buffers (['0.weight'",
+        re.escape("model on rank 1 has parameters or buffers on the meta"),
+    ),
+    "ignore_int": Case(_bad_ignore, 3, 1, TypeError, re.escape("ignore=5 on rank 1 is not a name")),
+    "ignore_of_ints": Case(_ignore_of_ints, 3, 1, TypeError, re.escape("holds 0, not a name")),
+    "src_out_of_range": Case(
+        _src_out_of_range, 3, 1, ValueError, re.escape("src=7 is outside group 'world'")
+    ),
+    "other_src": Case(
+        _other_src, 3, 1, pdist.RankMismatchError, re.escape("rank 1: src=1"), names_the_rank=False
+    ),
+    "buffers_flag": Case(
+        _bad_buffers_flag, 3, 1, TypeError, re.escape("broadcast_buffers='yes' on rank 1")
+    ),
+    "staging_fails": Case(_staging_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")),
+    "dtensor": Case(
+        _dtensor_model,
+        3,
+        1,
+        ValueError,
+        re.escape("rank 1 holds DTensor parameters or buffers (['0.weight'"),
     ),
 }
 
 
-def _run_case(name: str):
-    fn, expected, _ = CASES[name]
-    with pdist.distributed(timeout=30) as ctx:
-        return outcome_of(ctx, lambda: fn(ctx), expected)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_one_bad_rank_makes_every_rank_raise_quickly(name):
-    """Every rank raises the same error type, naming rank 1 and the fix, within 10 s."""
-    _, _, text = CASES[name]
-    outcomes = spawn(_run_case, 3, name, timeout=120)
-    for rank, out in enumerate(outcomes):
-        assert out.type != "returned", (rank, outcomes)
-        assert out.pdist, (rank, out)
-        assert out.expected, (rank, out)
-        assert text in out.message, (rank, out)
-        if name != "other_src":
-            assert "failed on rank 1" in out.message, (rank, out)
-        assert out.seconds < 10, (rank, out)
-        assert out.after == [0, 1, 2]
-    assert len({o.type for o in outcomes}) == 1, outcomes
+    """Every rank raises the expected error, naming rank 1 and the fix, within 10 s."""
+    case = CASES[name]
+    assert_failed_together(case, spawn(run_case, case.world, case, timeout=120))
 
 
 _LAZY_READY: list[bool] = []  # per worker process: the lazy backend initializes once

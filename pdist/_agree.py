@@ -1,0 +1,259 @@
+"""Fail together: the primitives every feature builds on, written once.
+
+Every pdist feature that crosses ranks has the same shape: each rank checks
+what it can locally, the ranks *agree* that they can go on, then data moves.
+Two primitives carry the agreement over a group's CPU (gloo) group:
+
+- :func:`status`: every rank reports whether its local step failed. When all
+  went well it costs one 8-byte all-reduce; when a rank failed, every rank
+  raises the same error naming it (the failing rank, its own error's type
+  too, see :func:`~pdist._errors.failure`), so nobody is left waiting in the
+  transfer that would have followed. :func:`tell` and :func:`hear` are the
+  same for the two ends of a point-to-point transfer.
+- :func:`agree`: every rank passed the same summary (a digest compared in one
+  all-reduce); only on a mismatch do the ranks exchange their summaries,
+  for a message that says which ranks passed what (:func:`ranks_by_value`).
+
+Failures travel as fixed-size marker slots (plain data, never a pickle):
+the failing rank, its error's type name and text, truncated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Mapping
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ._buffers import bytes_of
+from ._errors import (
+    ERROR,
+    HEADER,
+    OK,
+    PdistError,
+    RankMismatchError,
+    decode_marker,
+    encode_marker,
+    failure,
+    kind_name,
+)
+from ._group import Group
+
+__all__ = [
+    "agree",
+    "check_same",
+    "digest",
+    "first_failing",
+    "hear",
+    "raise_failure",
+    "raise_own",
+    "ranks_by_value",
+    "settle",
+    "spread",
+    "status",
+    "tell",
+]
+
+_SLOT = 4096  # bytes per rank of a failure: a framed message's first chunk (``_wire``)
+_SUMMARY = 512  # bytes per rank of a summary shown in a mismatch message
+
+
+def raise_failure(
+    group: Group, what: str, rank: int, kind: str, text: str, own: BaseException | None
+) -> NoReturn:
+    """Raise the error of a failure on ``rank`` (``own``: this rank's error, if it failed)."""
+    message = f"{what} on group {group.name!r} failed on rank {rank}: {kind}: {text}"
+    error = failure(message, kind, own if rank == group.rank else None)
+    raise error from error.__cause__  # the failing rank's own error; None for the peers
+
+
+def _slot(rank: int, error: BaseException | None) -> torch.Tensor:
+    """A rank's fixed-size slot: a framed message (``_wire``), empty or an error marker."""
+    marker = b"" if error is None else encode_marker(rank, error)[: _SLOT - HEADER.size]
+    data = HEADER.pack(OK if error is None else ERROR, len(marker)) + marker
+    out = torch.zeros(_SLOT, dtype=torch.uint8)
+    out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def _raise_from_slots(
+    group: Group, slots: list[torch.Tensor], error: BaseException | None, what: str
+) -> None:
+    for slot in slots:
+        status, length = HEADER.unpack(bytes_of(slot, HEADER.size))
+        if status != ERROR:
+            continue
+        found = decode_marker(
+            bytes_of(slot, min(max(length, 0), _SLOT - HEADER.size), HEADER.size), group.ranks
+        )
+        if found is None:
+            msg = f"{what} on group {group.name!r}: a peer sent a malformed error marker"
+            raise PdistError(msg)
+        raise_failure(group, what, *found, own=error)
+    # Only a peer that is not pdist raises the flag without sending a marker.
+    msg = f"{what} on group {group.name!r}: a rank reported a failure but sent no error marker"
+    raise PdistError(msg)
+
+
+def status(
+    group: Group, error: BaseException | None, *, what: str, summary: str | bytes | None = None
+) -> bool:
+    """Every rank reports whether its local step failed; if one did, every rank raises.
+
+    ``error`` is this rank's failure (None when its step went well). With
+    ``summary``, the same all-reduce also tells whether every rank passed the
+    same one (the return value; True without a summary).
+
+    .. note:: All ranks of the group must call it.
+
+    Raises:
+        PdistError: On every rank when some rank failed, naming the lowest such
+            rank (a ``TypeError``/``ValueError`` too for those kinds; on the
+            failing rank an instance of its own error's type, chained to it).
+    """
+    if group.world_size == 1:
+        if error is not None:
+            raise_own(group, error, what, wrap_pdist=True)
+        return True
+    h = 0 if summary is None else digest(summary)
+    flags = torch.tensor([0 if error is None else 1, h, -h], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    if int(flags[0]):
+        spread(group, error, what=what)
+    return int(flags[1]) == -int(flags[2])
+
+
+def settle(group: Group, error: BaseException | None, *, together: bool, what: str) -> None:
+    """Report this rank's ``error``: to every rank when ``together``, else on this rank alone.
+
+    ``together`` (a transfer follows) must be known alike on every rank; without
+    it no collective follows, nobody waits, and only the failing rank raises.
+    """
+    if together:
+        status(group, error, what=what)
+    elif error is not None:
+        raise_own(group, error, what)
+
+
+def spread(group: Group, error: BaseException | None, *, what: str) -> None:
+    """Once every rank knows that some rank failed: exchange the failures, raise the first.
+
+    .. note:: All ranks of the group must call it (after a flag said someone failed).
+    """
+    slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in group.ranks]
+    dist.all_gather(slots, _slot(group.rank, error), group=group.cpu_group)
+    _raise_from_slots(group, slots, error, what)
+
+
+def raise_own(
+    group: Group, error: BaseException, what: str, *, wrap_pdist: bool = False
+) -> NoReturn:
+    """Raise this rank's own failure where no collective follows to carry it to the others.
+
+    A :class:`~pdist.PdistError` is raised as it is (unless ``wrap_pdist``);
+    anything else as the error the peers would raise, of its own type too.
+    """
+    if isinstance(error, PdistError) and not wrap_pdist:
+        raise error
+    raise_failure(group, what, group.rank, kind_name(error), str(error), error)
+    raise error  # unreachable: raise_failure raised
+
+
+def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
+    """The receiving end of a transfer tells group index ``peer`` whether it can go on.
+
+    Raises this rank's own failure after telling (the sender raises too, in :func:`hear`).
+    """
+    dist.send(_slot(group.rank, error), dst=group.ranks[peer], group=group.cpu_group)
+    if error is not None:
+        raise_own(group, error, what, wrap_pdist=True)
+
+
+def hear(group: Group, peer: int, *, what: str) -> None:
+    """The sending end hears from group index ``peer`` (:func:`tell`); raises if it failed."""
+    slot = torch.empty(_SLOT, dtype=torch.uint8)
+    dist.recv(slot, src=group.ranks[peer], group=group.cpu_group)
+    if int(slot[0]) != OK:
+        _raise_from_slots(group, [slot], None, what)
+
+
+def digest(summary: str | bytes) -> int:
+    """A 63-bit digest of ``summary`` (so that ``h`` and ``-h`` both fit an int64)."""
+    data = summary.encode() if isinstance(summary, str) else summary
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
+
+
+def agree(group: Group, summary: str | bytes) -> list[str] | None:
+    """Whether every rank passed the same ``summary``: None if so, else every rank's summary.
+
+    One all-reduce of ``[h, -h]`` (max and min are equal exactly when all
+    agree); only on a mismatch, one all-gather of each summary's first 512
+    bytes, for the message.
+
+    .. note:: All ranks of the group must call it.
+    """
+    if group.world_size == 1:
+        return None
+    h = digest(summary)
+    both = torch.tensor([h, -h], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    if int(both[0]) == -int(both[1]):
+        return None
+    data = summary.encode() if isinstance(summary, str) else summary
+    mine = torch.zeros(_SUMMARY, dtype=torch.uint8)
+    short = data[:_SUMMARY]
+    mine[: len(short)] = torch.frombuffer(bytearray(short), dtype=torch.uint8)
+    rows = [torch.empty(_SUMMARY, dtype=torch.uint8) for _ in group.ranks]
+    dist.all_gather(rows, mine, group=group.cpu_group)
+    return [bytes_of(r).rstrip(b"\0").decode(errors="replace") for r in rows]
+
+
+def ranks_by_value(values: Mapping[int, Hashable], *, value_first: bool = True) -> str:
+    """``"a on ranks [0, 2]; b on rank 1"`` (or ``"ranks [0, 2]: a; ranks [1]: b"``)."""
+    by_value: dict[Hashable, list[int]] = {}
+    for rank, value in values.items():
+        by_value.setdefault(value, []).append(rank)
+    if not value_first:
+        return "; ".join(f"ranks {ranks}: {value}" for value, ranks in by_value.items())
+    return "; ".join(
+        f"{value} on rank{'s' if len(r) > 1 else ''} {r if len(r) > 1 else r[0]}"
+        for value, r in by_value.items()
+    )
+
+
+def check_same(group: Group, what: str, summary: str, error: BaseException | None) -> None:
+    """Check that every rank passed the same arguments; raise the same error on every rank.
+
+    ``summary`` describes this rank's arguments and ``error`` is its own
+    validation error, if any (a rank's error is its summary, so ranks that
+    all failed alike raise that error, and a mix raises the mismatch).
+
+    Raises:
+        RankMismatchError: The ranks' summaries differ (naming the ranks of each).
+        TypeError | ValueError: Every rank's own validation error (the same on every rank).
+    """
+    text = f"{kind_name(error)}: {error}" if error is not None else summary
+    summaries = agree(group, text)
+    if summaries is not None:
+        by_rank = dict(zip(group.ranks, summaries, strict=True))
+        parts = ranks_by_value(by_rank, value_first=False)
+        msg = f"{what}: ranks passed different arguments; {parts}"
+        raise RankMismatchError(msg)
+    if error is not None:
+        raise type(error)(f"{what}: {error}")
+
+
+def first_failing(group: Group, failed: bool) -> int | None:
+    """The lowest group index whose rank passed ``failed``, agreed in one all-reduce (or None).
+
+    .. note:: All ranks of the group must call it.
+    """
+    if group.world_size == 1:
+        return group.rank_in_group if failed else None
+    n = group.world_size
+    flag = torch.tensor([n - 1 - group.rank_in_group if failed else -1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    worst = int(flag.item())
+    return None if worst < 0 else n - 1 - worst

@@ -1,0 +1,140 @@
+"""Staging memory: every buffer pdist sends from or receives into, and tensors as bytes.
+
+All of them come from :func:`allocate`, so that an allocation that fails is one
+kind of failure everywhere (a :class:`~pdist.PdistError` saying what could
+not be had), and so that tests can make one fail (the allocation seam).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Sequence
+
+import torch
+
+from . import _seams
+from ._errors import PdistError
+
+__all__ = [
+    "ALIGN",
+    "aligned",
+    "allocate",
+    "bytes_of",
+    "filled",
+    "offsets",
+    "resolved",
+    "slab",
+    "tensor_bytes",
+]
+
+ALIGN = 64
+"""Byte alignment of the parts of a slab, so that every dtype can view its slice."""
+
+_CPU = torch.device("cpu")
+_HUGE_MIN_BYTES = 32 << 20  # glibc's largest mapping threshold
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of consecutive parts of ``sizes`` bytes (each aligned), and the total."""
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total = aligned(total + n)
+    return out, total
+
+
+def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized uint8 buffer; large CPU ones are backed by transparent huge pages.
+
+    glibc hands out blocks of 32 MiB and more as fresh mappings, whose first
+    write costs a page fault per 4 KiB page: for a 128 MiB receive buffer that
+    costs about as much as the transfer itself, and huge pages cut the faults
+    512-fold (``python -m pdist bench``, case (a)). Smaller blocks come from the
+    heap, where a block freed by the previous call is reused warm.
+    """
+    if device.type != "cpu" or nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the region alive
+
+
+def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") -> torch.Tensor:
+    """An uninitialized uint8 buffer of ``nbytes`` on ``device``.
+
+    Raises:
+        PdistError: It cannot be allocated (out of memory, or a size no buffer
+            can have, such as one a corrupt header announced).
+    """
+    try:
+        _seams.allocating(nbytes)
+        return _empty(nbytes, device)
+    except Exception as exc:  # RuntimeError (out of memory), OverflowError, OSError (mmap)
+        msg = (
+            f"could not allocate {nbytes} bytes on {device} for {what} ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); free memory or send less in one call"
+        )
+        raise PdistError(msg) from exc
+
+
+def slab(sizes: Sequence[int], device: torch.device, *, what: str) -> list[torch.Tensor]:
+    """Buffers of ``sizes`` bytes carved from one allocation, each :data:`ALIGN`-ed.
+
+    The parts of one transfer are alive together, so their total decides which
+    memory backs them (see :func:`allocate`).
+    """
+    starts, total = offsets(sizes)
+    whole = allocate(total, device, what=what)
+    return [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]
+
+
+def filled(
+    data: bytes | bytearray | memoryview, size: int = 0, *, what: str | None
+) -> torch.Tensor:
+    """A uint8 CPU tensor holding ``data``, zero-padded to ``size`` bytes.
+
+    ``what=None`` is for the framing's small fixed-size first chunks, which
+    bypass :func:`allocate`: they must exist to carry any other failure.
+    """
+    n = len(data)
+    total = max(n, size)
+    out = torch.empty(total, dtype=torch.uint8) if what is None else allocate(total, what=what)
+    if n:
+        ctypes.memmove(out.data_ptr(), bytes(data), n)
+    out[n:].zero_()  # the padding goes on the wire: never this process's stale memory
+    return out
+
+
+def bytes_of(t: torch.Tensor, n: int | None = None, offset: int = 0) -> bytes:
+    """``n`` bytes (default: all) of a contiguous CPU tensor, from byte ``offset``."""
+    count = t.numel() * t.element_size() - offset if n is None else n
+    if count <= 0:
+        return b""
+    return ctypes.string_at(t.data_ptr() + offset, count)
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with a pending conjugation or negation applied (a copy only then).
+
+    Conjugate and negative views cannot be viewed as bytes; resolving them
+    before anything is sent keeps packing from failing half-way.
+    """
+    flat = t.detach()
+    if flat.is_conj():
+        flat = flat.resolve_conj()
+    if flat.is_neg():
+        flat = flat.resolve_neg()
+    return flat
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data as a flat contiguous uint8 tensor on its own device (a view when possible)."""
+    flat = resolved(t)
+    flat = flat.view(-1) if flat.is_contiguous() else flat.contiguous().view(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

@@ -1,0 +1,305 @@
+"""Point-to-point objects and tensor dicts: header, the receiver's answer, then buckets.
+
+The receiver answers the header (``_agree.tell``) before any bucket moves, so
+that its failure to decode or allocate reaches the sender instead of leaving
+it waiting. With an ``all_gather_group`` (a pipeline stage's TP group) each
+sender sends its part of every bucket and the receivers all-gather the rest,
+after agreeing among themselves that every one of them is ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _agree, _wire
+from ._buffers import ALIGN
+from ._compat import all_gather_into
+from ._errors import PdistError, RankMismatchError
+from ._group import DistContext, Group, as_group
+from ._objects import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, check_tensor_dict
+from ._payload import Decoded, bucket_count, decode, encode, receive_buffers, tensors_of
+from ._serialize import Safe, loads, safe_or_error
+
+__all__ = ["recv_object", "recv_tensor_dict", "send_object", "send_tensor_dict"]
+
+
+def _peer(g: Group, index: int | None, default_global: int, name: str) -> int:
+    if index is not None:
+        g.global_rank(index, name=name)
+    peer = g.peer_index(index, default_global, name)
+    if peer == g.rank_in_group:
+        msg = (
+            f"{name}={peer} on rank {g.rank} is this rank itself; pass another group index "
+            f"of group {g.name!r} (0..{g.world_size - 1})"
+        )
+        raise ValueError(msg)
+    return peer
+
+
+def _part(flat: torch.Tensor, split: Group | None) -> torch.Tensor:
+    """This rank's part of a bucket that travels split over ``split`` (the whole without)."""
+    if split is None or split.world_size == 1:
+        return flat
+    return flat.chunk(split.world_size)[split.rank_in_group]
+
+
+def _send_payload(
+    g: Group, peer: int, make: Callable[[], Any], *, what: str, split: Group | None = None
+) -> None:
+    """Send ``make()`` to group index ``peer``: header, the receiver's status, then buckets.
+
+    What ``make`` raises travels as an error marker. With ``split`` (the
+    sender's all-gather group), only this rank's part of each bucket is sent.
+    """
+    parts = 1 if split is None else split.world_size
+    try:
+        encoded = encode(
+            make(),
+            g.device,
+            min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES,
+            bucket_bytes=DEFAULT_BUCKET_BYTES,
+            pad_to=parts * ALIGN if parts > 1 else 1,
+            split=parts,
+        )
+        flats = [
+            encoded.pack(i) for i in range(len(encoded.buckets))
+        ]  # a failure goes in the header
+    except Exception as exc:
+        _wire.send_bytes(g, None, peer, error=exc, what=what)
+        raise  # unreachable: send_bytes raised
+    _wire.send_bytes(g, encoded.body, peer, what=what)
+    if not encoded.buckets:
+        return
+    _agree.hear(g, peer, what=what)  # the receiver's status: raises if it failed
+    works = [
+        dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=g.transport(b.kind))
+        for b, flat in zip(encoded.buckets, flats, strict=True)
+    ]
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def _decoded(
+    g: Group, body: bytes, peer: int, split: Group | None, what: str
+) -> tuple[Decoded, list[torch.Tensor], list[torch.Tensor]]:
+    """The received header decoded, its receive buffers and its tensors (views of them)."""
+    decoded = decode(body, source=f"rank {g.ranks[peer]} (the sender of {what})")
+    parts = 1 if split is None else split.world_size
+    if decoded.split != parts:
+        msg = (
+            f"all_gather_group on rank {g.rank} has {parts} rank(s) but rank "
+            f"{g.ranks[peer]} sent each bucket in {decoded.split} part(s); pass "
+            "all_gather_groups of the same size on both sides (or None on both)"
+        )
+        raise ValueError(msg)
+    buffers = receive_buffers(decoded, g.device)
+    return decoded, buffers, tensors_of(decoded, buffers, g.device)
+
+
+def _recv_payload(
+    g: Group,
+    peer: int,
+    *,
+    safe: object,
+    what: str,
+    error: BaseException | None = None,
+    split: Group | None = None,
+) -> Any:
+    """Receive what :func:`_send_payload` sent from group index ``peer``."""
+    checked: Safe = False
+    if error is None:
+        checked, error = safe_or_error(safe, g.rank)
+    splitting = split is not None and split.world_size > 1
+    count, failure, header_error = 0, error, None
+    decoded: Decoded | None = None
+    buffers: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
+    try:
+        body = _wire.recv_bytes(g, peer, what=what)
+        count = bucket_count(body, source=f"rank {g.ranks[peer]} (the sender of {what})")
+        if failure is None:
+            try:
+                decoded, buffers, tensors = _decoded(g, body, peer, split, what)
+            except Exception as exc:
+                failure = exc
+    except PdistError as exc:  # the sender failed, or sent no pdist payload
+        if not splitting:
+            raise
+        header_error = exc
+    if splitting:
+        assert split is not None
+        failure = _agree_split(split, decoded, failure or header_error, what)
+        if header_error is not None:
+            raise header_error
+    _settle_peer(g, peer, failure, count > 0, what)
+    assert decoded is not None
+    for bucket, data in zip(decoded.buckets, buffers, strict=True):
+        part = _part(data, split)
+        dist.recv(part, src=g.ranks[peer], group=g.transport(bucket.kind))
+        if splitting:
+            assert split is not None
+            all_gather_into(data, part, split.transport(bucket.kind))
+    return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)
+
+
+def _settle_peer(
+    g: Group, peer: int, failure: BaseException | None, buckets: bool, what: str
+) -> None:
+    """A receiver tells its sender when buckets follow; else only it raises (nobody waits)."""
+    if buckets:
+        _agree.tell(g, peer, failure, what=what)
+    elif failure is not None:
+        _agree.raise_own(g, failure, what)
+
+
+def _agree_split(
+    split: Group, decoded: Decoded | None, failure: BaseException | None, what: str
+) -> BaseException | None:
+    """The receivers of one all-gather group agree on success and on the bucket layout.
+
+    Every receiver takes part, whatever its own header held, so that one
+    receiver's failure reaches the others before they wait in the all-gathers.
+    Returns the failure to report to this rank's sender.
+    """
+    layout = repr([] if decoded is None else [list(b) for b in decoded.buckets])
+    try:
+        same = _agree.status(split, failure, what=what, summary=layout)
+    except PdistError as exc:
+        return exc
+    if not same:
+        msg = (
+            f"{what}: the ranks of all_gather_group {split.name!r} {list(split.ranks)} received "
+            "headers with different bucket layouts; every sender of a stage must send the "
+            "same dict structure"
+        )
+        return RankMismatchError(msg)
+    return failure
+
+
+def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
+    """Send a picklable ``obj`` to group index ``dst``, which calls :func:`recv_object`.
+
+    Dense tensors of at least 1 KiB travel as tensors after the header, once
+    the receiver answered that it can take them. If ``obj`` cannot be pickled,
+    the receiver raises too, and so does the sender.
+
+    Args:
+        group: The group (a context means its world).
+        obj: The object.
+        dst: Group index of the receiver (another rank).
+
+    Raises:
+        PdistError: This rank or the receiver failed (on both, naming it).
+    """
+    g = as_group(group)
+    _send_payload(g, _peer(g, dst, g.next_rank, "dst"), lambda: obj, what="send_object")
+
+
+def recv_object(group: Group | DistContext, src: int, *, safe: Safe = False) -> Any:
+    """Receive the object group index ``src`` sent with :func:`send_object`.
+
+    Args:
+        group: The group (a context means its world).
+        src: Group index of the sender (another rank).
+        safe: Unpickle through an allow-list (see :func:`~pdist.broadcast_object`).
+
+    Returns:
+        The object, its tensors on this rank's device (CPU tensors stay on the CPU).
+
+    Raises:
+        PdistError: The sender failed, or this rank refused or could not rebuild
+            the object (then the sender raises too when tensors were to follow).
+    """
+    g = as_group(group)
+    return _recv_payload(g, _peer(g, src, g.prev_rank, "src"), safe=safe, what="recv_object")
+
+
+def _check_split(all_gather_group: object, g: Group) -> Group | None:
+    if all_gather_group is not None and not isinstance(all_gather_group, Group):
+        msg = (
+            f"all_gather_group={all_gather_group!r:.60} on rank {g.rank} must be a pdist "
+            "Group or None"
+        )
+        raise TypeError(msg)
+    if all_gather_group is not None and g.rank not in all_gather_group.ranks:
+        msg = (
+            f"all_gather_group={all_gather_group.name!r} on rank {g.rank} does not "
+            f"contain this rank (its ranks: {list(all_gather_group.ranks)}); pass the "
+            "group of this rank's pipeline stage, or None"
+        )
+        raise ValueError(msg)
+    return all_gather_group
+
+
+def send_tensor_dict(
+    group: Group | DistContext,
+    tensor_dict: Mapping[Any, Any],
+    dst: int | None = None,
+    *,
+    all_gather_group: Group | None = None,
+) -> None:
+    """Send a (nested) dict of tensors to group index ``dst`` (default: the next rank).
+
+    With ``all_gather_group`` of size k (e.g. the TP group of a pipeline
+    stage), this rank sends only its 1/k of every bucket and the receivers,
+    who pass their own ``all_gather_group``, all-gather the rest. If
+    ``tensor_dict`` is not a dict or cannot be encoded, the receiver raises
+    too (with ``all_gather_group``, the whole receiving stage).
+
+    .. note:: The destination must call :func:`recv_tensor_dict` with a
+       matching ``all_gather_group`` size.
+    """
+    g = as_group(group)
+    peer = _peer(g, dst, g.next_rank, "dst")
+
+    def make() -> Mapping[Any, Any]:
+        _check_split(all_gather_group, g)
+        return check_tensor_dict(tensor_dict, g.rank)
+
+    split = all_gather_group if isinstance(all_gather_group, Group) else None
+    _send_payload(g, peer, make, what="send_tensor_dict", split=split)
+
+
+def recv_tensor_dict(
+    group: Group | DistContext,
+    src: int | None = None,
+    *,
+    all_gather_group: Group | None = None,
+    safe: Safe = False,
+) -> dict[Any, Any]:
+    """Receive the dict group index ``src`` (default: the previous rank) sent.
+
+    With ``all_gather_group``, each rank receives its part of every bucket in
+    place and the group all-gathers the rest; the receivers of the group
+    first agree that every one of them is ready and got the same layout, so
+    that one receiver's failure raises on all of them (and on their senders).
+
+    .. note:: Every receiver of a stage must pass the stage's
+       ``all_gather_group``: one that passes None or another group raises, but
+       cannot reach the others of the stage, which then wait for the timeout.
+
+    Returns:
+        The dict (of the sender's mapping type), with tensors on this rank's
+        device (CPU tensors stay on the CPU).
+    """
+    g = as_group(group)
+    what = "recv_tensor_dict"
+    peer = _peer(g, src, g.prev_rank, "src")
+    error: BaseException | None = None
+    split: Group | None = None
+    try:
+        split = _check_split(all_gather_group, g)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    out = _recv_payload(g, peer, safe=safe, what=what, error=error, split=split)
+    # send_tensor_dict accepts any Mapping: refusing one here would fail after the sender
+    # returned, on this side only.
+    if not isinstance(out, Mapping):
+        msg = f"{what}: rank {g.ranks[peer]} sent a {type(out).__name__}, not a dict"
+        raise PdistError(msg)
+    return out  # type: ignore[return-value]  # the sender's Mapping type
