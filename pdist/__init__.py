@@ -50,6 +50,7 @@ from ._subgroups import device_mesh as device_mesh
 from ._subgroups import new_group as new_group
 from ._subgroups import new_sp_group as new_sp_group
 from ._subgroups import new_tp_group as new_tp_group
+from ._subgroups import patch_sp as patch_sp
 from ._subgroups import patch_tp as patch_tp
 from ._topology import gpu_cpu_affinity as gpu_cpu_affinity
 from ._topology import same_node_ranks as same_node_ranks
@@ -95,6 +96,7 @@ __all__ = [
     "new_group",
     "new_sp_group",
     "new_tp_group",
+    "patch_sp",
     "patch_tp",
     "rank0_first",
     "rank0_only",

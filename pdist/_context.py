@@ -30,6 +30,12 @@ __all__ = ["distributed", "probe_accelerator"]
 
 logger = logging.getLogger("pdist")
 
+# The stores this process hosts (rank 0 when no launcher agent does, as under srun), one per
+# address, for the life of the process, as torchrun's agent keeps its own: a rank that reaches
+# the next block first connects to the server while rank 0 may still be leaving the last one,
+# so closing it with its block would fail that rank. Each block's keys live under a prefix.
+_HOSTED: dict[tuple[str, int], Store] = {}
+
 
 def probe_accelerator() -> _env.Accelerator | None:
     """The machine's accelerator through ``torch.accelerator`` (cuda, xpu, npu, mps, ...).
@@ -121,6 +127,21 @@ class _Distributed:
         if previous is not None:
             self._restore.append(lambda: module.set_device(previous))
 
+    def _set_l2_fetch_granularity(self, device: torch.device, nbytes: int) -> None:
+        """Cosmos' ``cudaDeviceSetLimit(cudaLimitMaxL2FetchGranularity, n)``, undone on exit."""
+        before = _compat.l2_fetch_granularity() if device.type == "cuda" else None
+        why = "it applies to CUDA devices only" if device.type != "cuda" else None
+        why = why or _compat.set_l2_fetch_granularity(nbytes)
+        if why is not None:
+            logger.warning(
+                "pdist: not setting the L2 fetch granularity of %s to %d bytes: %s",
+                device,
+                nbytes,
+                why,
+            )
+        elif before is not None and before != nbytes:
+            self._restore.append(lambda: _compat.set_l2_fetch_granularity(before))
+
     def _open_store(self, deadline: Deadline) -> Store:
         settings = self._settings
         launch = settings.launch
@@ -145,17 +166,23 @@ class _Distributed:
         # It must not wait for every rank to connect, TCPStore's default: a late rank would
         # keep it from checking in, and it alone would report the store as unreachable.
         hosts = launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        if hosts:
-            deadline.hosts_store()
-        return TCPStore(
-            addr,
-            port,
-            launch.world_size,
-            is_master=hosts,
-            timeout=settings.timeout,
-            wait_for_workers=False,
-            multi_tenant=hosts,
-        )
+        if not hosts:
+            return TCPStore(
+                addr, port, launch.world_size, timeout=settings.timeout, wait_for_workers=False
+            )
+        deadline.hosts_store()
+        hosted = _HOSTED.get((addr, port))
+        if hosted is None:
+            hosted = _HOSTED[(addr, port)] = TCPStore(
+                addr,
+                port,
+                launch.world_size,
+                is_master=True,
+                timeout=settings.timeout,
+                wait_for_workers=False,
+                multi_tenant=True,
+            )
+        return hosted
 
     def _init_world(self, lifetime: Lifetime, store: Store, deadline: Deadline) -> None:
         settings = self._settings
@@ -178,6 +205,8 @@ class _Distributed:
         settings = self._settings
         launch = settings.launch
         self._bind_device()
+        if settings.l2_fetch_granularity is not None:
+            self._set_l2_fetch_granularity(settings.device, settings.l2_fetch_granularity)
         store = self._open_store(deadline)
         if settings.backend != "fake":  # a simulated world (torch's fake group) has no real store
             deadline.stage = "checking in with the rendezvous store"
@@ -262,6 +291,7 @@ def distributed(
     device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
     startup_timeout: float | timedelta | None = None,
+    l2_fetch_granularity: int | None = None,
     store: Store | None = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -272,23 +302,17 @@ def distributed(
 
     Works under torchrun, under SLURM's ``srun`` and as plain ``python
     script.py`` (a one-rank world). Arguments are validated when this is
-    called, before any collective, identically on every rank. On entry it binds
-    the device, opens the rendezvous store and checks in, initializes the
-    default group with an eager communicator on an accelerator (or adopts one
-    that is already initialized and leaves it alone), checks that every rank
-    asked for the same ``tp`` and ``sp``, builds the ``tp``, ``sp``, ``dp`` and
-    ``dp_sp`` groups (one communicator call per axis) and finds the ranks of
-    each host (``node``). All of that runs under ``startup_timeout``: a rank
-    that never arrives or a communicator that never forms ends every waiting
-    rank with exit code 93 (:data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`),
-    naming its stage and the ranks that never checked in, and so does a
-    start-up that fails after its deadline passed (a peer that gave up took
-    the store along). The deadline never covers the block itself. Then, on
-    CUDA, it pins the CPU affinity of the GPU. On exit it collects garbage (so
-    modules holding groups in reference cycles go first), destroys exactly the
-    process groups it created, with no collective, also when the block raises,
-    and restores the current device and CPU affinity it changed. The returned
-    object can be entered once.
+    called, identically on every rank. The whole start-up (rendezvous, the
+    world communicator, the ``tp``/``sp``/``dp``/``dp_sp``/``node`` groups) runs
+    under ``startup_timeout``: a rank that never arrives or a communicator
+    that never forms ends every waiting rank with exit code 93
+    (:data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`), naming the stage and the
+    ranks that never checked in; the block itself is never covered. An
+    already initialized default group is adopted and left alone. On exit it
+    destroys exactly the groups it created (no collective, also when the block
+    raises) and restores the current device, CPU affinity and L2 fetch
+    granularity it changed. The returned object can be entered once; blocks
+    may follow each other in one job.
 
     .. note:: Every rank of the job must enter it.
 
@@ -303,6 +327,9 @@ def distributed(
             or 1800 s. ``PDIST_SUBGROUP_TIMEOUT_SEC`` overrides it for subgroups.
         startup_timeout: Deadline of the whole start-up (seconds or ``timedelta``);
             None reads ``PDIST_WORLD_COMM_TIMEOUT_SEC`` (default 600 s); 0 waits forever.
+        l2_fetch_granularity: On CUDA, the L2 fetch granularity to set, in bytes
+            (Cosmos sets 128); None leaves the device alone. A warning says why
+            when it cannot be set.
         store: A ``torch.distributed.Store`` to rendezvous through instead of the launcher's.
         rank: Overrides the launcher's rank.
         world_size: Overrides the launcher's world size.
@@ -326,6 +353,7 @@ def distributed(
         device=device,
         timeout=timeout,
         startup_timeout=startup_timeout,
+        l2_fetch_granularity=l2_fetch_granularity,
         store_given=store is not None,
         rank=rank,
         world_size=world_size,

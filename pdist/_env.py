@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any, Literal, overload
 
 import attrs
 import torch
@@ -163,6 +164,26 @@ def to_seconds(value: float | timedelta, name: str) -> float:
     return seconds
 
 
+@overload
+def env_seconds(
+    name: str,
+    default: float,
+    *,
+    zero_means_forever: Literal[False] = False,
+    environ: Mapping[str, str] | None = None,
+) -> float: ...
+
+
+@overload
+def env_seconds(
+    name: str,
+    default: float,
+    *,
+    zero_means_forever: bool,
+    environ: Mapping[str, str] | None = None,
+) -> float | None: ...
+
+
 def env_seconds(
     name: str,
     default: float,
@@ -176,9 +197,6 @@ def env_seconds(
     ``inf`` or negative logs a warning naming the variable and the default,
     and gives the default. ``0`` gives ``None`` (wait forever) when
     ``zero_means_forever``, else it is invalid like the others.
-
-    Returns:
-        Seconds, or ``None`` for "no deadline".
     """
     env = os.environ if environ is None else environ
     raw = env.get(name, "").strip()
@@ -278,6 +296,7 @@ class Settings:
         timeout: Collective timeout of the world group.
         subgroup_timeout: Collective timeout of the subgroups.
         startup_timeout: Deadline of the whole start-up in seconds; None waits forever.
+        l2_fetch_granularity: CUDA L2 fetch granularity to set, in bytes; None leaves it.
         cpu_affinity: Pin to the CPUs near the accelerator (NVML, CUDA only).
         adopt: The default group is already initialized: adopt it, leave it alone.
     """
@@ -289,6 +308,7 @@ class Settings:
     timeout: timedelta
     subgroup_timeout: timedelta
     startup_timeout: float | None
+    l2_fetch_granularity: int | None
     cpu_affinity: bool
     adopt: bool
 
@@ -408,6 +428,52 @@ def deadline_seconds(
     return to_seconds(value, name)
 
 
+def _launch(
+    env: Mapping[str, str],
+    overrides: dict[str, int | None],
+    adopted: Adopted | None,
+    store_given: bool,
+) -> Launch:
+    """The launcher's description, with the adopted group's and the caller's overrides."""
+    for name, value in overrides.items():
+        _check_rank_arg(name, value)
+    launch = detect_launch(env)
+    if adopted is not None:
+        for name, actual in (("rank", adopted.rank), ("world_size", adopted.world_size)):
+            value = overrides[name]
+            if value is not None and value != actual:
+                msg = (
+                    f"{name}={value} contradicts the initialized default process group "
+                    f"({name} {actual}), which distributed() adopts as it is; drop {name}="
+                )
+                raise ValueError(msg)
+        launch = attrs.evolve(launch, rank=adopted.rank, world_size=adopted.world_size)
+    given: dict[str, Any] = {name: value for name, value in overrides.items() if value is not None}
+    launch = attrs.evolve(launch, **given)
+    if launch.rank >= launch.world_size:
+        msg = f"rank={launch.rank} must be below world_size={launch.world_size}"
+        raise ValueError(msg)
+    if adopted is None and not store_given and launch.world_size > 1 and launch.launcher == "none":
+        msg = (
+            f"world_size={launch.world_size} without a launcher needs a rendezvous: "
+            "pass store= or run under torchrun/SLURM"
+        )
+        raise ValueError(msg)
+    return launch
+
+
+def _l2_fetch_granularity(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (32, 64, 128):
+        msg = (
+            f"l2_fetch_granularity={value!r} must be None (leave the device alone) or a number "
+            "of bytes CUDA accepts: 32, 64 or 128 (the seed sets 128)"
+        )
+        raise ValueError(msg)
+    return value
+
+
 def resolve_settings(
     *,
     tp: int = 1,
@@ -416,6 +482,7 @@ def resolve_settings(
     device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
     startup_timeout: float | timedelta | None = None,
+    l2_fetch_granularity: int | None = None,
     store_given: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
@@ -427,22 +494,10 @@ def resolve_settings(
 ) -> Settings:
     """Turn ``distributed()``'s arguments and the environment into :class:`Settings` (pure).
 
-    Args:
-        tp: Tensor-parallel size.
-        sp: Sequence-parallel size.
-        backend: Requested backend; default ``PDIST_BACKEND``, else the device's.
-        device: Requested device; default the accelerator at ``local_rank``, else the CPU.
-        timeout: Collective timeout; default ``PDIST_TIMEOUT_SEC`` or 1800 s.
-        startup_timeout: Start-up deadline; None reads ``PDIST_WORLD_COMM_TIMEOUT_SEC``
-            (default 600 s); ``0`` waits forever.
-        store_given: A rendezvous store was passed in.
-        rank: Overrides the launcher's rank.
-        world_size: Overrides the launcher's world size.
-        local_rank: Overrides the launcher's local rank.
-        cpu_affinity: Pin to the CPUs near the GPU.
-        environ: The environment; ``os.environ`` by default.
-        accelerator: The machine's accelerator, or None for a CPU-only machine.
-        adopted: The already-initialized default group, if any.
+    The arguments are ``distributed()``'s (see there), plus: ``store_given`` (a
+    rendezvous store was passed in), ``environ`` (default ``os.environ``),
+    ``accelerator`` (the machine's, None on a CPU-only machine) and ``adopted``
+    (the already-initialized default group, if any).
 
     Raises:
         ValueError: Any argument or launcher variable is invalid; the message
@@ -450,57 +505,27 @@ def resolve_settings(
         TypeError: A size or duration has the wrong type.
     """
     env = os.environ if environ is None else environ
-    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local_rank)):
-        _check_rank_arg(name, value)
-    launch = detect_launch(env)
-    if adopted is not None:
-        for name, value, actual in (
-            ("rank", rank, adopted.rank),
-            ("world_size", world_size, adopted.world_size),
-        ):
-            if value is not None and value != actual:
-                msg = (
-                    f"{name}={value} contradicts the initialized default process group "
-                    f"({name} {actual}), which distributed() adopts as it is; drop {name}="
-                )
-                raise ValueError(msg)
-        launch = attrs.evolve(launch, rank=adopted.rank, world_size=adopted.world_size)
-    launch = attrs.evolve(
-        launch,
-        rank=launch.rank if rank is None else rank,
-        world_size=launch.world_size if world_size is None else world_size,
-        local_rank=launch.local_rank if local_rank is None else local_rank,
-    )
-    if launch.rank >= launch.world_size:
-        msg = f"rank={launch.rank} must be below world_size={launch.world_size}"
-        raise ValueError(msg)
-    if adopted is None and not store_given and launch.world_size > 1 and launch.launcher == "none":
-        msg = (
-            f"world_size={launch.world_size} without a launcher needs a rendezvous: "
-            "pass store= or run under torchrun/SLURM"
-        )
-        raise ValueError(msg)
+    overrides = {"rank": rank, "world_size": world_size, "local_rank": local_rank}
+    launch = _launch(env, overrides, adopted, store_given)
     layout = make_layout(launch.world_size, tp=tp, sp=sp)
     requested = backend if backend is not None else env_backend(env)
     source = "backend" if backend is not None else "PDIST_BACKEND"
     resolved_device = _resolve_device(device, requested, launch.local_rank, accelerator)
     resolved_backend = _resolve_backend(requested, resolved_device, accelerator, source)
-    if adopted is not None:
-        resolved_backend = adopted.backend
     if timeout is None:
         seconds = env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=env)
     else:
         seconds = to_seconds(timeout, "timeout")
-    seconds = DEFAULT_TIMEOUT_SEC if seconds is None else seconds  # None only with zero=forever
     sub_seconds = env_seconds("PDIST_SUBGROUP_TIMEOUT_SEC", seconds, environ=env)
     return Settings(
         launch=launch,
         layout=layout,
-        backend=resolved_backend,
+        backend=resolved_backend if adopted is None else adopted.backend,
         device=resolved_device,
         timeout=timedelta(seconds=seconds),
-        subgroup_timeout=timedelta(seconds=seconds if sub_seconds is None else sub_seconds),
+        subgroup_timeout=timedelta(seconds=sub_seconds),
         startup_timeout=deadline_seconds(startup_timeout, "startup_timeout", env),
+        l2_fetch_granularity=_l2_fetch_granularity(l2_fetch_granularity),
         cpu_affinity=bool(cpu_affinity),
         adopt=adopted is not None,
     )

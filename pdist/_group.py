@@ -1,14 +1,13 @@
 """The value types every other module works with: ``Group``, ``DistContext`` and their lifetime.
 
-A leaf module: it imports nothing else from pdist except the errors, so that
-every other module can depend on it and nothing imports back up.
+It imports nothing else from pdist but the errors, so that every other module
+can depend on it and nothing imports back up.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable
 from datetime import timedelta
 from typing import Protocol
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from ._errors import PdistError
 
 __all__ = [
+    "Built",
     "DistContext",
     "Group",
     "HeaderTransport",
@@ -30,13 +30,13 @@ __all__ = [
 logger = logging.getLogger("pdist")
 
 ProcessGroup = dist.ProcessGroup
+Blocks = tuple[tuple[int, ...], ...]
 
 
 class HeaderTransport(Protocol):
-    """What a group's message queue must do: carry a framed header from the group's first rank.
+    """What carries a group's object-broadcast headers instead of its CPU group.
 
-    :func:`~pdist.message_queue` attaches one to the group it yields; the object
-    broadcasts send their header through it instead of the CPU group.
+    :func:`~pdist.message_queue` attaches one (a shared-memory ring) to the group it yields.
     """
 
     def broadcast_bytes(
@@ -46,31 +46,49 @@ class HeaderTransport(Protocol):
         src: int,
         *,
         error: BaseException | None = None,
-        what: str = "broadcast",
+        what: str,
     ) -> bytes:
         """Broadcast ``payload`` (or the source's ``error``) from group index ``src``."""
         ...
 
 
+@attrs.frozen
+class Built:
+    """A partition as built in one block: the caller's block and its two group keys.
+
+    ``member`` is False when the caller is in no block (it then holds a group of
+    its own, see ``_subgroups``); ``timeout`` is the communicators' own.
+    """
+
+    ranks: tuple[int, ...]
+    device_key: int
+    cpu_key: int
+    member: bool
+    timeout: timedelta
+
+
 class Lifetime:
     """The torch process groups of one ``distributed()`` block, and whether it is still open.
 
-    Groups and contexts reach torch's process groups only through this object,
-    so that once the block exits nothing pdist handed out keeps a destroyed
-    process group alive (torch 2.13 with gloo can abort at interpreter exit
-    while one is still referenced). It also holds the block's cache of built
-    partitions, so that asking twice for the same groups builds them once.
-    """
+    Groups reach torch's process groups only through this object, so that
+    once the block exits nothing pdist handed out keeps a destroyed group
+    alive (torch 2.13 with gloo can abort at exit while one is referenced).
+    It also remembers the partitions built in the block, so that asking twice
+    for the same groups builds them once.
 
-    __slots__ = ("_created", "_lock", "_owns_default", "_pgs", "cache", "closed")
+    Attributes:
+        subgroup_timeout: The timeout of groups built after start-up.
+        partitions: Partitions built so far, by their blocks.
+    """
 
     def __init__(self) -> None:
         self.closed = False
+        self.subgroup_timeout: timedelta | None = None
+        self.partitions: dict[Blocks, Built] = {}
         self._pgs: list[ProcessGroup] = []
         self._created: list[ProcessGroup] = []
         self._owns_default = False
         self._lock = threading.Lock()
-        self.cache: dict[Hashable, object] = {}
 
     def add(self, pg: ProcessGroup, *, created: bool) -> int:
         """Keep ``pg`` and return its key; ``created`` ones are destroyed on close."""
@@ -106,24 +124,17 @@ class Lifetime:
                 return
             self.closed = True
             created, self._created, self._pgs = self._created, [], []
-            self.cache.clear()
-        if self._owns_default:
-            # Destroying the default group destroys every group torch knows of.
-            _destroy(None)
-        else:
-            for pg in reversed(created):
-                _destroy(pg)
-
-
-def _destroy(pg: ProcessGroup | None) -> None:
-    try:
-        if pg is None:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        else:
-            dist.destroy_process_group(pg)
-    except Exception:  # teardown must go on; the block's own error matters more
-        logger.warning("pdist: destroying a process group failed", exc_info=True)
+            self.partitions.clear()
+        # Destroying the default group destroys every group torch knows of.
+        for pg in [None] if self._owns_default else reversed(created):
+            try:
+                if pg is None:
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
+                else:
+                    dist.destroy_process_group(pg)
+            except Exception:  # teardown must go on; the block's own error matters more
+                logger.warning("pdist: destroying a process group failed", exc_info=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -160,20 +171,12 @@ class Group:
 
     @property
     def device_group(self) -> ProcessGroup:
-        """The torch process group for tensor traffic (NCCL on CUDA, gloo on CPU).
-
-        Raises:
-            PdistError: The ``distributed()`` block that made the group has exited.
-        """
+        """The torch process group for tensors (NCCL on CUDA, gloo on CPU); raises once closed."""
         return self._lifetime.get(self._device_key)
 
     @property
     def cpu_group(self) -> ProcessGroup:
-        """The gloo process group for metadata, pickled objects and barriers.
-
-        Raises:
-            PdistError: The ``distributed()`` block that made the group has exited.
-        """
+        """The gloo process group for metadata, pickled objects and barriers; raises once closed."""
         return self._lifetime.get(self._cpu_key)
 
     @property
@@ -183,7 +186,7 @@ class Group:
 
     @property
     def header_transport(self) -> HeaderTransport | None:
-        """The queue object broadcasts send headers through (on a message_queue group)."""
+        """What object broadcasts send headers through (a message_queue group's ring)."""
         return self._mq
 
     @property
@@ -221,6 +224,10 @@ class Group:
         """Global rank of the previous member (wraps around)."""
         return self.ranks[(self.rank_in_group - 1) % self.world_size]
 
+    def transport(self, kind: str) -> ProcessGroup:
+        """The group that carries a payload's ``kind`` of bytes: ``"cpu"`` or ``"device"``."""
+        return self.cpu_group if kind == "cpu" else self.device_group
+
     def global_rank(self, index: int, *, name: str = "src") -> int:
         """The global rank of group index ``index``.
 
@@ -238,10 +245,6 @@ class Group:
             )
             raise ValueError(msg)
         return self.ranks[index]
-
-    def transport(self, kind: str) -> ProcessGroup:
-        """The torch group that carries a payload's ``kind`` of bytes: ``"cpu"`` or ``"device"``."""
-        return self.cpu_group if kind == "cpu" else self.device_group
 
     def peer_index(self, index: int | None, default_global: int, name: str) -> int:
         """The group index of a point-to-point peer: ``index``, or ``default_global``'s.
@@ -277,8 +280,7 @@ class DistContext:
         sp: Sequence-parallel group.
         dp: Data-parallel group.
         dp_sp: The ranks sharing this rank's tp index: the group gradients are
-            averaged over (data and sequence parallel together); ``dp`` when
-            ``sp == 1``.
+            averaged over (data and sequence parallel together); ``dp`` when ``sp == 1``.
     """
 
     rank: int

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from . import _agree, _compat
 from ._errors import PdistError
-from ._group import DistContext, Group, Lifetime, ProcessGroup
+from ._group import Blocks, Built, DistContext, Group, Lifetime, ProcessGroup
 from ._layout import AXES, GROUP_AXES, Layout, consecutive_groups, make_layout
 
 __all__ = [
@@ -48,28 +48,12 @@ __all__ = [
     "new_group",
     "new_sp_group",
     "new_tp_group",
+    "patch_sp",
     "patch_tp",
 ]
 
-Blocks = tuple[tuple[int, ...], ...]
-
 # Backends whose groups can carry pdist's metadata themselves (no separate gloo group).
 _SELF_CPU_BACKENDS = ("gloo", "fake")
-
-
-@attrs.frozen
-class _Built:
-    """A partition as built in one block: the caller's block, its two group keys, its timeout."""
-
-    ranks: tuple[int, ...]
-    device_key: int
-    cpu_key: int
-    member: bool  # False: the caller is in no block and holds a group of its own
-    timeout: timedelta  # the communicators' own, also when a later request asked for another
-
-
-# Lifetime.cache key of the timeout that groups built after start-up get.
-_SUBGROUP_TIMEOUT = "subgroup_timeout"
 
 
 def _backend_of(pg: ProcessGroup) -> str:
@@ -118,7 +102,7 @@ def build_world(
         device_key=device_key,
         cpu_key=cpu_key,
     )
-    lifetime.cache[("partition", (ranks,))] = _Built(ranks, device_key, cpu_key, True, timeout)
+    lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
     return world
 
 
@@ -189,17 +173,15 @@ def build_partition(
     lifetime = world.lifetime
     lifetime.check_open()
     canonical: Blocks = tuple(tuple(int(r) for r in b) for b in blocks)
-    key = ("partition", canonical)
-    built = lifetime.cache.get(key)
+    built = lifetime.partitions.get(canonical)
     if built is None:
         full, extra = _complete(canonical, world.world_size)
         mine = _my_block(full, world.rank)
         device_pg, cpu_pg = _create(world, full, mine, name, timeout)
         device_key = lifetime.add(device_pg, created=True)
         cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
-        built = _Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
-        lifetime.cache[key] = built
-    assert isinstance(built, _Built)
+        built = Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
+        lifetime.partitions[canonical] = built
     if not built.member:
         return None
     return Group(
@@ -235,7 +217,7 @@ def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str,
         RankMismatchError: Ranks passed different ``tp`` or ``sp`` (on every rank).
     """
     _agree.check_same(world, "distributed()", f"tp={layout.tp}, sp={layout.sp}", None)
-    world.lifetime.cache[_SUBGROUP_TIMEOUT] = timeout
+    world.lifetime.subgroup_timeout = timeout
     return {
         axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
         for axis in ("tp", "sp", "dp", "dp_sp")
@@ -252,18 +234,7 @@ def _check_ctx(ctx: object) -> DistContext:
     return ctx
 
 
-@contextlib.contextmanager
-def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
-    """Yield a new context whose ``tp`` group is ``group``; ``ctx`` itself is untouched.
-
-    Nests freely (each level is a separate value), and nothing needs undoing
-    when the block raises. Use it to run a model with another TP degree, e.g.
-    one built with :func:`new_tp_group`.
-
-    Raises:
-        TypeError: ``ctx`` or ``group`` has the wrong type.
-        ValueError: The caller's rank is not in ``group``.
-    """
+def _patched(ctx: DistContext, group: Group, axis: str) -> DistContext:
     _check_ctx(ctx)
     if not isinstance(group, Group):
         msg = f"group={group!r} must be a pdist Group"
@@ -271,14 +242,42 @@ def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     if ctx.rank not in group.ranks:
         msg = f"group {group.name!r} with ranks {group.ranks} does not contain rank {ctx.rank}"
         raise ValueError(msg)
-    yield attrs.evolve(ctx, tp=group)
+    return attrs.evolve(ctx, tp=group) if axis == "tp" else attrs.evolve(ctx, sp=group)
+
+
+@contextlib.contextmanager
+def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
+    """Yield a new context whose ``tp`` group is ``group``; ``ctx`` itself is untouched.
+
+    Nests freely (each level is a separate value) and nothing needs undoing when
+    the block raises. Use it to run a model with another TP degree, e.g. one
+    built with :func:`new_tp_group`.
+
+    Raises:
+        TypeError: ``ctx`` or ``group`` has the wrong type.
+        ValueError: The caller's rank is not in ``group``.
+    """
+    yield _patched(ctx, group, "tp")
+
+
+@contextlib.contextmanager
+def patch_sp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
+    """Yield a new context whose ``sp`` group is ``group``; ``ctx`` itself is untouched.
+
+    The counterpart of :func:`patch_tp` (FastVideo's promised
+    ``patch_sequence_parallel_group``): run a block with another sequence-parallel
+    group, e.g. one built with :func:`new_sp_group`.
+
+    Raises:
+        TypeError: ``ctx`` or ``group`` has the wrong type.
+        ValueError: The caller's rank is not in ``group``.
+    """
+    yield _patched(ctx, group, "sp")
 
 
 def _subgroup_timeout(ctx: DistContext) -> timedelta:
     """The timeout of groups built after start-up: the subgroups', not a reused world's."""
-    timeout = ctx.world.lifetime.cache.get(_SUBGROUP_TIMEOUT, ctx.tp.timeout)
-    assert isinstance(timeout, timedelta)
-    return timeout
+    return ctx.world.lifetime.subgroup_timeout or ctx.tp.timeout
 
 
 def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) -> Group:

@@ -257,6 +257,20 @@ def test_patch_tp_yields_a_new_context(ctx):
         pdist.patch_tp(attrs.evolve(ctx, rank=(ctx.rank + 1) % 4), other).__enter__()
 
 
+@world_sizes(4)
+def test_patch_sp_yields_a_new_context(ctx):
+    """patch_sp replaces sp only, nests with patch_tp, and leaves the original alone."""
+    sp2, tp2 = pdist.new_sp_group(ctx, 2), pdist.new_tp_group(ctx, 2)
+    with pdist.patch_sp(ctx, sp2) as inner, pdist.patch_tp(inner, tp2) as both:
+        assert inner.sp is sp2
+        assert inner.tp is ctx.tp
+        assert (both.sp, both.tp) == (sp2, tp2)
+        assert pdist.all_reduce(inner.sp, torch.ones(1)).item() == 2
+    assert ctx.sp.ranks == (ctx.rank,)
+    with pytest.raises(TypeError, match="must be a pdist Group"):
+        pdist.patch_sp(ctx, "sp").__enter__()
+
+
 def _mesh(tp: int, sp: int) -> tuple:
     with pdist.distributed(tp=tp, sp=sp) as ctx:
         mesh = pdist.device_mesh(ctx)
@@ -279,3 +293,33 @@ def test_device_mesh_matches_the_context():
         assert shape == (2, 1, 2)
         assert tp == ctx_tp
         assert dp == ctx_dp
+
+
+def _l2_on_cpu(caplog_level: int) -> list[str]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("pdist")
+    handler = Keep(level=caplog_level)
+    logger.addHandler(handler)
+    try:
+        with pdist.distributed(l2_fetch_granularity=128) as ctx:
+            pdist.barrier(ctx)
+    finally:
+        logger.removeHandler(handler)
+    return records
+
+
+def test_l2_fetch_granularity_on_cpu_warns_and_goes_on():
+    """On CPU ranks the setting does nothing but say why, once per rank."""
+    import logging
+
+    for records in spawn(_l2_on_cpu, 2, logging.WARNING, timeout=60):
+        assert any(
+            "L2 fetch granularity of cpu to 128 bytes: it applies to CUDA" in r for r in records
+        )

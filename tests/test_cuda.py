@@ -74,3 +74,30 @@ def test_nccl_collectives_and_objects():
         assert out[4] == f"cuda:{rank}"
         assert out[5] == [0, 1]
         assert out[6] is True
+
+
+def _cuda_l2_limit() -> int:
+    """The current device's cudaLimitMaxL2FetchGranularity, read through the CUDA runtime."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = [line.split()[-1] for line in maps if "/libcudart.so" in line]
+    lib = ctypes.CDLL(paths[0] if paths else "libcudart.so")
+    value = ctypes.c_size_t()
+    assert lib.cudaDeviceGetLimit(ctypes.byref(value), 0x05) == 0
+    return int(value.value)
+
+
+def _l2_granularity() -> tuple[int, int, int]:
+    torch.cuda.init()
+    before = _cuda_l2_limit()
+    with pdist.distributed(l2_fetch_granularity=128):
+        inside = _cuda_l2_limit()
+    return before, inside, _cuda_l2_limit()
+
+
+def test_l2_fetch_granularity_is_set_and_restored():
+    """distributed(l2_fetch_granularity=128) sets the limit (read back) and restores it on exit."""
+    [(before, inside, after)] = spawn(_l2_granularity, 1)
+    assert inside == 128
+    assert after == before

@@ -250,3 +250,16 @@ def test_subgroup_timeout_from_the_environment():
     env = {**TORCHRUN, "PDIST_SUBGROUP_TIMEOUT_SEC": "7"}
     s = _settings(env, timeout=42)
     assert (s.timeout, s.subgroup_timeout) == (timedelta(seconds=42), timedelta(seconds=7))
+
+
+@pytest.mark.parametrize("value", [0, 100, 256, True, "128", 128.0])
+def test_l2_fetch_granularity_is_checked(value):
+    """l2_fetch_granularity takes None or 32, 64, 128 bytes, naming the parameter otherwise."""
+    with pytest.raises(ValueError, match=r"l2_fetch_granularity=.* must be None .* 32, 64 or 128"):
+        resolve_settings(l2_fetch_granularity=value, environ={})
+
+
+def test_l2_fetch_granularity_defaults_to_leaving_the_device_alone():
+    """None (the default) leaves the device alone; 128 is kept as given."""
+    assert resolve_settings(environ={}).l2_fetch_granularity is None
+    assert resolve_settings(l2_fetch_granularity=128, environ={}).l2_fetch_granularity == 128

@@ -15,6 +15,7 @@ PUBLIC = {
     "DistContext",
     "Group",
     "patch_tp",
+    "patch_sp",
     "new_tp_group",
     "new_sp_group",
     "new_group",

@@ -451,3 +451,31 @@ def test_blocks_one_after_another_share_a_store_safely():
     """Each block keeps its rendezvous keys apart, so later blocks never read stale addresses."""
     for _ in range(3):
         assert spawn(_three_blocks, 2, timeout=90) == [[1.0, 2.0, 2.0, 2.0, 2.0, 2.0]] * 2
+
+
+BLOCKS_IN_A_ROW = """
+    import os
+    # Launched as srun does: no torchrun agent, so rank 0 hosts the rendezvous store.
+    rank = os.environ.pop("RANK")
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
+    os.environ.update(SLURM_PROCID=rank, SLURM_NTASKS=os.environ.pop("WORLD_SIZE"),
+                      SLURM_LOCALID=os.environ.pop("LOCAL_RANK"),
+                      MASTER_PORT=os.environ["PDIST_TEST_PORT"])
+    import pdist
+    for block in range(20):
+        with pdist.distributed(timeout=20) as ctx:
+            pdist.barrier(ctx.world)
+    print("BLOCKS DONE", flush=True)
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_blocks_in_a_row_when_rank0_hosts_the_store(world):
+    """20 bare blocks in a row under srun's launch (rank 0 hosts the store) all open and close."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = run_ranks(BLOCKS_IN_A_ROW, world, timeout=90, env={"PDIST_TEST_PORT": str(port)})
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert "BLOCKS DONE" in r.output
