@@ -110,35 +110,62 @@ def _warn_wrong_module(model: nn.Module) -> None:
     warnings.warn(msg, UserWarning, stacklevel=4)
 
 
+def _set_ddp(module: nn.parallel.DistributedDataParallel, enabled: bool) -> Any:
+    """Set a DDP's flag; returns what puts it back (None: static_graph, left alone)."""
+    if _static_graph(module):
+        if not getattr(module, _STATIC_WARNED, False):
+            object.__setattr__(module, _STATIC_WARNED, True)
+            warnings.warn(
+                "grad_sync: this DDP model uses static_graph=True, whose gradient "
+                "synchronization cannot be skipped; gradients are synced every step",
+                UserWarning,
+                stacklevel=4,
+            )
+        return None
+    old = module.require_backward_grad_sync
+    module.require_backward_grad_sync = enabled
+    return lambda: setattr(module, "require_backward_grad_sync", old)
+
+
+def _set_fsdp(module: Any, enabled: bool, defer_reduce_scatter: bool) -> Any:
+    """Set one FSDP2 module's flags (not its children's); returns what puts them back."""
+    _check_fsdp_device(module)
+    groups = _compat.fsdp_param_groups(module)
+    if not groups:
+        return None
+    olds = [(g.reduce_grads, g.all_reduce_grads) for g in groups]
+
+    def put_back() -> None:
+        for g, (reduce, all_reduce) in zip(groups, olds, strict=True):
+            g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
+
+    if defer_reduce_scatter:
+        module.set_requires_gradient_sync(enabled, recurse=False)
+    else:
+        module.set_requires_all_reduce(enabled, recurse=False)
+    return put_back
+
+
 @contextlib.contextmanager
 def grad_sync(
     model: nn.Module, enabled: bool, *, defer_reduce_scatter: bool = False
 ) -> Iterator[None]:
     """Turn cross-replica gradient synchronization on or off inside the block.
 
-    - DDP (torch's or pdist's): sets ``require_backward_grad_sync``. With
-      ``static_graph=True`` the flag cannot change: it is left alone, with a
-      warning once per model.
-    - FSDP2 (``fully_shard``), by default: defers only the cross-replica
-      all-reduce of HSDP (``set_requires_all_reduce(enabled, recurse=False)``
-      on every FSDP module with parameters). Reduce-scatter still runs every
-      micro-step, so gradients stay sharded and their memory does not grow;
-      with plain FSDP (a 1-D mesh) there is no all-reduce, so nothing is
-      deferred and every micro-step reduce-scatters.
-    - FSDP2 with ``defer_reduce_scatter=True``: sets
-      ``set_requires_gradient_sync(enabled, recurse=False)`` instead, so
-      inside an ``enabled=False`` block neither reduce-scatter nor all-reduce
-      runs; the price is an unsharded gradient per parameter (the memory of
-      the whole model's gradients on every rank) until the next synced
-      backward reduces it.
+    - DDP (torch's or pdist's): ``require_backward_grad_sync``; with
+      ``static_graph=True`` the flag cannot change (a warning, once per model).
+    - FSDP2 (``fully_shard``): by default only HSDP's cross-replica all-reduce is
+      deferred; reduce-scatter still runs every micro-step, so gradients stay
+      sharded. ``defer_reduce_scatter=True`` defers all gradient communication,
+      at the price of an unsharded gradient per parameter until the next synced
+      backward.
     - Plain modules and one-rank runs: nothing to do.
 
     Passing the wrong module (``model.module`` of a DDP, or a submodule of a
-    ``fully_shard`` model that holds no FSDP module) with ``enabled=False``
-    changes nothing, so it warns, naming the module to pass instead.
-
-    On exit every module gets back exactly its own previous flags, also when
-    the block raises or when setting the flags fails half-way. Nests freely.
+    ``fully_shard`` model holding no FSDP module) with ``enabled=False`` would
+    change nothing, so it warns, naming the module to pass. On exit every module
+    gets back exactly its own previous flags, also when the block raises or
+    setting them fails half-way. Nests freely.
 
     Example::
 
@@ -149,11 +176,11 @@ def grad_sync(
     Args:
         model: The DDP model, the ``fully_shard`` model (its root), or a plain module.
         enabled: Whether gradients are synchronized in the block's backward passes.
-        defer_reduce_scatter: FSDP2 only: also defer the reduce-scatter, not just
-            HSDP's all-reduce (no gradient communication at all, unsharded gradients).
+        defer_reduce_scatter: FSDP2 only: also defer the reduce-scatter.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (when the block is entered).
+        PdistError: FSDP2 on CPU tensors, on a torch that cannot run it (before 2.7).
     """
     if not isinstance(model, nn.Module):
         msg = (
@@ -164,57 +191,21 @@ def grad_sync(
     fsdp_type = _compat.fsdp_module_type()
     restore: list[Any] = []
     found = False
-
-    def undo() -> None:
-        for action in reversed(restore):
-            action()
-
     try:
         for module in model.modules():
             if isinstance(module, nn.parallel.DistributedDataParallel):
                 found = True
-                if _static_graph(module):
-                    if not getattr(module, _STATIC_WARNED, False):
-                        object.__setattr__(module, _STATIC_WARNED, True)
-                        warnings.warn(
-                            "grad_sync: this DDP model uses static_graph=True, whose gradient "
-                            "synchronization cannot be skipped; gradients are synced every step",
-                            UserWarning,
-                            stacklevel=3,
-                        )
-                    continue
-                old_flag = module.require_backward_grad_sync
-                restore.append(
-                    lambda m=module, v=old_flag: setattr(m, "require_backward_grad_sync", v)
-                )
-                module.require_backward_grad_sync = bool(enabled)
+                restore.append(_set_ddp(module, bool(enabled)))
             elif fsdp_type is not None and isinstance(module, fsdp_type):
                 found = True
-                _check_fsdp_device(module)
-                groups = _compat.fsdp_param_groups(module)
-                if not groups:
-                    continue
-                olds = [(g.reduce_grads, g.all_reduce_grads) for g in groups]
-
-                def put_back(gs: list[Any] = groups, vs: list[tuple[bool, bool]] = olds) -> None:
-                    for g, (reduce, all_reduce) in zip(gs, vs, strict=True):
-                        g.reduce_grads = reduce
-                        g.all_reduce_grads = all_reduce
-
-                restore.append(put_back)
-                if defer_reduce_scatter:
-                    module.set_requires_gradient_sync(bool(enabled), recurse=False)  # type: ignore[operator]
-                else:
-                    module.set_requires_all_reduce(bool(enabled), recurse=False)  # type: ignore[operator]
-    except BaseException:
-        undo()
-        raise
-    if not found and not enabled:
-        _warn_wrong_module(model)
-    try:
+                restore.append(_set_fsdp(module, bool(enabled), defer_reduce_scatter))
+        if not found and not enabled:
+            _warn_wrong_module(model)
         yield
     finally:
-        undo()
+        for put_back in reversed(restore):
+            if put_back is not None:
+                put_back()
 
 
 def _check_fsdp_device(module: nn.Module) -> None:

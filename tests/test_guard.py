@@ -170,14 +170,37 @@ STUCK_STORE = """
     import time
     import torch.distributed as dist
     import pdist
-    from pdist import _compat
 
     class Stuck(dist.Store):
-        def add(self, key, value):
-            time.sleep(3600)  # a store that accepted the connection but never answers
+        # A store that answers the start-up but never the guard's check-in.
+        def __init__(self):
+            super().__init__()
+            self.inner = dist.HashStore()
 
-    with pdist.distributed() as ctx:
-        _compat.default_store = Stuck
+        def add(self, key, value):
+            if "checkin/guard" in key:
+                time.sleep(3600)  # accepted the connection but never answers
+            return self.inner.add(key, value)
+
+        def set(self, key, value):
+            self.inner.set(key, value)
+
+        def get(self, key):
+            return self.inner.get(key)
+
+        def check(self, keys):
+            return self.inner.check(keys)
+
+        def wait(self, keys, timeout=None):
+            self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+        def delete_key(self, key):
+            return self.inner.delete_key(key)
+
+        def num_keys(self):
+            return self.inner.num_keys()
+
+    with pdist.distributed(store=Stuck()) as ctx:
         with pdist.world_comm_guard(ctx, timeout=1):
             print("INSIDE", flush=True)
 """

@@ -1,0 +1,120 @@
+"""The import graph is the design: every import points down the layers, none takes a private name.
+
+Layers, bottom up: values (errors, seams, rank arithmetic, torch compatibility,
+settings, groups), then agreement and memory, then the CPU-group framing, then
+the object wire format, then the features, then the public surface, then the
+command line. Within the features only the edges listed in ``FEATURE_EDGES``
+are allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "pdist"
+
+LAYERS = {
+    "_errors": 0,
+    "_seams": 0,
+    "_layout": 0,
+    "_compat": 1,
+    "_env": 1,
+    "_group": 1,
+    "_buffers": 2,
+    "_agree": 3,
+    "_wire": 4,
+    "_serialize": 5,
+    "_payload": 6,
+    **dict.fromkeys(
+        [
+            "_objects",
+            "_gathers",
+            "_p2p",
+            "_collectives",
+            "_collate",
+            "_training",
+            "_mq",
+            "_topology",
+            "_subgroups",
+            "_guard",
+            "_stall",
+            "_context",
+            "_ranks",
+            "_sequence",
+            "_graph",
+        ],
+        7,
+    ),
+    "__init__": 8,
+    "testing": 8,
+    "__main__": 9,
+    "cli": 9,
+}
+
+# Features built on other features (each edge is a reason, not an accident).
+FEATURE_EDGES = {
+    ("_gathers", "_objects"),  # the defaults of the object transports
+    ("_p2p", "_objects"),  # the defaults, and the tensor-dict check
+    ("_training", "_objects"),  # sync_model_states moves tensors with broadcast_tensors
+    ("_mq", "_topology"),  # a queue needs every rank on one host
+    ("_sequence", "_collectives"),  # Ulysses attention is two all_to_all_4d
+    ("_context", "_subgroups"),
+    ("_context", "_topology"),
+    ("_context", "_guard"),
+    ("_context", "_stall"),
+    ("_stall", "_guard"),
+}
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return "cli" if rel.parts[0] == "cli" else rel.stem
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(imported pdist module, names taken from it)`` for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            if node.module.startswith("pdist"):
+                parts = node.module.split(".")
+                target = parts[1] if len(parts) > 1 else None
+                if target is None:  # from pdist import _x
+                    found += [(a.name, []) for a in node.names]
+                else:
+                    found.append((target, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            if node.module is None:  # from . import _x
+                found += [(a.name, []) for a in node.names]
+            else:
+                found.append((node.module.split(".")[0], [a.name for a in node.names]))
+    return found
+
+
+FILES = sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(PACKAGE)) for p in FILES])
+def test_imports_point_down_the_layers(path):
+    """Each pdist import goes to a lower layer, or along an edge listed for the features."""
+    me = _module(path)
+    assert me in LAYERS, f"{me} has no layer: add it to LAYERS (and to DESIGN's layout)"
+    for target, _ in _imports(path):
+        target = "cli" if target == "cli" else target
+        if target == me:
+            continue
+        assert target in LAYERS, (me, target)
+        down = LAYERS[target] < LAYERS[me]
+        assert down or (me, target) in FEATURE_EDGES, f"{me} imports {target}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(PACKAGE)) for p in FILES])
+def test_no_module_takes_another_modules_private_name(path):
+    """``from ._x import _name`` would tie one module to another's internals."""
+    for target, names in _imports(path):
+        private = [n for n in names if n.startswith("_") and n != "__version__"]
+        assert not private, f"{path.name} takes {private} from {target}"
