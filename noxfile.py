@@ -1,4 +1,4 @@
-"""Developer sessions: tests, lint, typecheck, docs, bench, scale, examples, gpu."""
+"""Developer sessions: tests, floor, lint, typecheck, docs, bench, scale, examples, gpu."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 # PDIST_TORCH replaces it with pip arguments, split as a shell would split them, e.g.
 # PDIST_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH = shlex.split(os.environ.get("PDIST_TORCH", "torch==2.13.0"))
+# The floor of the declared range (pyproject.toml's torch>=2.6): CI runs the suite there too.
+FLOOR = ["torch==2.6.0"]
 EXAMPLES = sorted(p.stem for p in Path("examples").glob("*.py"))
 
 
-def _install(session: nox.Session, extras: str = "") -> None:
-    session.install(*TORCH)
+def _install(session: nox.Session, extras: str = "", torch: list[str] = TORCH) -> None:
+    session.install(*torch)
     # Without numpy torch warns "Failed to initialize NumPy" in every process it starts, and
     # its own object collectives fail; pdist does not need it. From the default index, apart
     # from the torch arguments, which may name another one.
@@ -35,6 +37,13 @@ def tests(session: nox.Session) -> None:
     The docs extra too: a test builds the docs strictly (the porting guide's links).
     """
     _install(session, "test,docs")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def floor(session: nox.Session) -> None:
+    """Run the test suite on the oldest torch pdist supports (2.6.0; a CUDA build from PyPI)."""
+    _install(session, "test,docs", torch=FLOOR)
     session.run("pytest", *session.posargs)
 
 
