@@ -1,20 +1,12 @@
 """Building communicators: the world, one partition per axis, arbitrary rank lists, the mesh.
 
-Cost per rank stays O(W) in time and memory at any world size:
-
-- With an accelerator-bound default group (NCCL with ``device_id=``), a
-  partition's device groups come from one ``split_group`` over the world: one
-  world-wide ``ncclCommSplit`` per partition, instead of one per block (and a
-  no-color split by every non-member of every ``new_group``).
-- Otherwise (gloo, or no bound device) every rank creates only its own
-  block's group (``use_local_synchronization=True``): one call per partition.
-- The gloo groups that carry metadata next to an accelerator backend are made
-  by their members only, and connect lazily (``TORCH_GLOO_LAZY_INIT``), so a
-  gloo world group does not have every rank read every other rank's W
-  addresses from the rendezvous store at start-up.
-- A partition equal to one already built in the block (``node`` equal to
-  ``tp``, the all-singletons partition of two size-1 axes, ``dp`` equal to the
-  world) reuses its groups.
+Cost per rank stays O(W) at any world size. With an accelerator-bound default
+group (NCCL with ``device_id=``) a partition's device groups come from one
+``split_group`` over the world; otherwise every rank creates only its own
+block's group (``use_local_synchronization=True``). The gloo groups that carry
+metadata next to an accelerator backend are made by their members only and
+connect lazily (``TORCH_GLOO_LAZY_INIT``). A partition already built in the
+block (``node`` equal to ``tp``, ``dp`` equal to the world) reuses its groups.
 
 torch names the groups of a local-synchronization ``new_group`` and of
 ``split_group`` by hashing their ranks with the number of groups the process
@@ -299,13 +291,12 @@ def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) ->
 def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
     """Build tensor-parallel groups of ``size`` consecutive ranks over the whole world.
 
-    For a second model with another TP degree; use it with :func:`patch_tp`.
-    Asking twice for the same size returns groups over the same communicators.
-    The groups live until the context's ``distributed()`` block exits.
+    For a second model with another TP degree (use it with :func:`patch_tp`).
+    Asking twice for one size reuses the communicators; they live until the
+    ``distributed()`` block exits.
 
     .. note:: Every rank of the world must call it, in the same order as other
-       group creations. Ranks that pass different sizes all raise
-       :class:`~pdist.RankMismatchError`.
+       group creations.
 
     Returns:
         The group holding the caller (ranks ``size * (rank // size)`` onwards).
@@ -322,21 +313,8 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
 def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
     """Build sequence-parallel groups of ``size`` consecutive ranks over the whole world.
 
-    With ``distributed(sp=N)`` and ``new_tp_group(ctx, M)`` the tp and sp groups
-    are two partitions of the same ranks into consecutive blocks, as in
-    FastVideo (see the porting guide).
-
-    .. note:: Every rank of the world must call it, in the same order as other
-       group creations.
-
-    Returns:
-        The group holding the caller.
-
-    Raises:
-        TypeError: ``name`` is not None or a non-empty str (on every rank).
-        ValueError: ``size`` does not divide the world size (on every rank).
-        RankMismatchError: Ranks passed different sizes (on every rank).
-        PdistError: The context is closed.
+    As :func:`new_tp_group`, for a sequence-parallel group (use it with
+    :func:`patch_sp`); FastVideo's tp and sp are two such partitions.
     """
     return _consecutive(ctx, size, name, f"sp{size}")
 
@@ -385,15 +363,11 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
 
     The equivalent of ``init_model_parallel_group(group_ranks, ...)``: pipeline
     stages, classifier-free-guidance pairs, strided groups. Lists must be
-    disjoint and in increasing order (torch orders a process group's members
-    by global rank), and may leave ranks out.
-    The communicators are built as for the axis groups (one call per rank,
-    or one split of the world on an accelerator).
+    disjoint and increasing (torch orders a group's members by global rank),
+    and may leave ranks out.
 
     .. note:: Every rank of the world must call it with the same lists, in the
-       same order as other group creations. Lists that differ between ranks,
-       overlap or name ranks outside the world raise the same error on every
-       rank, before any communicator is built.
+       same order as other group creations.
 
     Example::
 
@@ -485,26 +459,18 @@ def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:
 def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
     """A ``DeviceMesh`` over the context's own groups: the full ``(dp, sp, tp)`` mesh or a sub-mesh.
 
-    ``axes=None`` gives the 3-D mesh with ``mesh_dim_names == ("dp", "sp",
-    "tp")``. A tuple of axis names gives the sub-mesh holding the caller, ready
-    for FSDP2 (``fully_shard`` takes 1-D or 2-D meshes): ``("dp",)``,
-    ``("dp_sp",)`` (shard over data and sequence parallel ranks together),
-    ``("dp", "sp")`` (HSDP: replicate over dp, shard over sp), ``("tp",)``.
-    On 4 ranks with ``tp=2``, rank 1 gets for ``("dp_sp",)`` the mesh ``[1, 3]``.
-
-    The mesh reuses the context's process groups (no new communicator), so
-    FSDP2/DTensor code runs inside a pdist context. Release the mesh (and
-    whatever holds it) before the ``distributed()`` block exits.
+    ``axes=None`` gives the 3-D mesh named ``("dp", "sp", "tp")``; axis names
+    give the caller's sub-mesh, ready for FSDP2: ``("dp",)``, ``("dp_sp",)``,
+    ``("dp", "sp")`` (HSDP), ``("tp",)``. On 4 ranks with ``tp=2``, rank 1 gets
+    for ``("dp_sp",)`` the mesh ``[1, 3]``. No new communicator; release the
+    mesh before the ``distributed()`` block exits. Several axes need groups
+    that are the axes of one layout: a context whose ``tp`` came from
+    :func:`patch_tp` with another partition is refused, not given a mesh whose
+    dims hold the wrong groups.
 
     Args:
         ctx: The context.
         axes: None, or axis names from ``("dp", "sp", "dp_sp", "tp")``, slowest first.
-
-    A one-axis mesh is that group's ranks, for any context. A mesh of several
-    axes needs the context's groups to be the axes of one ``(dp, sp, tp)``
-    layout, as ``distributed()`` makes them; a context whose ``tp`` was
-    replaced by :func:`patch_tp` with another partition (FastVideo's layout)
-    is refused rather than given a mesh whose dims hold the wrong groups.
 
     Raises:
         TypeError: ``axes`` is not None or a tuple.
