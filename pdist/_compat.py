@@ -266,13 +266,7 @@ def work_from_future(future: Any) -> Any:
 def split_group(
     parent: dist.ProcessGroup, blocks: Sequence[Sequence[int]], *, timeout: Any, name: str
 ) -> dist.ProcessGroup | None:
-    """``torch.distributed.split_group`` of ``parent`` into ``blocks`` (every rank in one).
-
-    Raises:
-        PdistError: This torch has no ``split_group``.
-    """
-    if not FEATURES.split_group:
-        raise unsupported("splitting process groups (split_group)", (2, 6))
+    """``torch.distributed.split_group`` of ``parent`` into ``blocks`` (every rank in one)."""
     return dist.split_group(
         parent_pg=parent, split_ranks=[list(b) for b in blocks], timeout=timeout, group_desc=name
     )
