@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from pdist._compat import FEATURES
 from pdist.cli import bench, doctor, main
 from pdist.cli.bench import Case, run_cases
 from pdist.testing import world_sizes
@@ -23,6 +24,9 @@ def test_doctor_on_two_spawned_ranks(capsys):
     for name, _ in doctor.CHECKS:
         assert f"check {name:<20} ok" in out
     assert "verdict: healthy" in out
+    assert f"torch {torch.__version__}:" in out
+    for line in FEATURES.summary():  # what this torch offers, as _compat probed it
+        assert f"  {line}\n" in out
 
 
 def test_doctor_names_the_failing_check():
@@ -36,6 +40,7 @@ def test_doctor_names_the_failing_check():
     report = {
         "world_size": 2,
         "backend": "gloo",
+        "torch": ["2.6.0", "torch: (2, 6)", "split_group: True"],
         "timeout": 30.0,
         "subgroup_timeout": 30.0,
         "guard_timeout": None,
@@ -50,6 +55,7 @@ def test_doctor_names_the_failing_check():
     )
     assert "0-2,5" in text
     assert "start-up guard forever" in text
+    assert "torch 2.6.0:\n  torch: (2, 6)\n  split_group: True\n" in text
 
 
 @pytest.mark.parametrize(

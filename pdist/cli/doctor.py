@@ -1,4 +1,4 @@
-"""``python -m pdist doctor``: report the topology, then check every collective once."""
+"""``python -m pdist doctor``: what torch offers, the topology, then every collective once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 import pdist
 from pdist import DistContext
+from pdist._compat import FEATURES
 from pdist._topology import nvml_handle
 
 __all__ = ["CHECKS", "doctor", "doctor_rank", "render"]
@@ -154,6 +155,7 @@ def doctor_rank() -> dict[str, Any]:
         return {
             "world_size": ctx.world_size,
             "backend": ctx.backend,
+            "torch": [torch.__version__, *FEATURES.summary()],
             "timeout": ctx.world.timeout.total_seconds(),
             "subgroup_timeout": ctx.tp.timeout.total_seconds(),
             "guard_timeout": pdist.world_comm_timeout(),
@@ -176,9 +178,12 @@ def render(report: dict[str, Any]) -> tuple[str, int]:
     """The text report and the exit code (0 healthy, 1 a check failed)."""
     hosts = sorted({tuple(r["me"]["node"]) for r in report["ranks"]})
     guard = report["guard_timeout"]
+    version, *features = report["torch"]
     lines = [
         f"pdist doctor: {report['world_size']} ranks on {len(hosts)} host(s), "
         f"{len(hosts[0]) if hosts else 0} per host; backend {report['backend']}",
+        f"torch {version}:",
+        *(f"  {line}" for line in features),
         f"timeouts: collective {report['timeout']:g}s, subgroup {report['subgroup_timeout']:g}s, "
         f"start-up guard {'forever' if guard is None else f'{guard:g}s'}"
         f" (PDIST_TIMEOUT_SEC={os.environ.get('PDIST_TIMEOUT_SEC', '-')}, "
