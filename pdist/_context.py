@@ -208,12 +208,11 @@ class _Distributed:
         if settings.l2_fetch_granularity is not None:
             self._set_l2_fetch_granularity(settings.device, settings.l2_fetch_granularity)
         store = self._open_store(deadline)
-        if settings.backend != "fake":  # a simulated world (torch's fake group) has no real store
-            deadline.stage = "checking in with the rendezvous store"
-            generation = deadline.check_in(store, "startup")
-            # Each block's groups keep their rendezvous keys apart: a second block in the
-            # same job must never read the first one's (closed) addresses.
-            store = PrefixStore(f"pdist/block/{generation}", store)
+        deadline.stage = "checking in with the rendezvous store"
+        generation = deadline.check_in(store, "startup")
+        # Each block's groups keep their rendezvous keys apart: a second block in the
+        # same job must never read the first one's (closed) addresses.
+        store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
         deadline.stage = "building the world groups"

@@ -24,7 +24,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import _agree
 from ._buffers import bytes_of
@@ -80,28 +79,6 @@ def _my_record(probe: str) -> bytes:
     return _RECORD.pack(_MAGIC, _VERSION, status, dev, ino, _boot_id(), host, probe.encode())
 
 
-def _simulated(mine: bytes, world_size: int, rank_in_group: int) -> bytes:
-    """What the all-gather would return in a simulated world (torch's fake process group).
-
-    A fake group moves no data, so the records of the other ranks are made up:
-    hosts of ``LOCAL_WORLD_SIZE`` ranks (one rank each when unset), told apart
-    by the inode field. Only the scale benchmark and tests run this.
-    """
-    magic, version, status, dev, ino, boot, host, probe = _RECORD.unpack(mine)
-    try:
-        per_host = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        per_host = 1
-    mine_host = rank_in_group // per_host
-    parts = []
-    for r in range(world_size):
-        shift = r // per_host - mine_host
-        parts.append(
-            _RECORD.pack(magic, version, status, dev, (ino + shift) % 2**64, boot, host, probe)
-        )
-    return b"".join(parts)
-
-
 def _gather_records(group: Group, mine: bytes) -> bytes:
     """Every member's record, rank-major: one all-gather of fixed size on the CPU group."""
     n = group.world_size
@@ -111,8 +88,6 @@ def _gather_records(group: Group, mine: bytes) -> bytes:
     out = torch.empty(n * RECORD_BYTES, dtype=torch.uint8)
     src = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     all_gather_into(out, src, pg)
-    if str(dist.get_backend(pg)) == "fake":  # the simulated all-gather moved no data
-        return _simulated(mine, n, group.rank_in_group)
     return bytes_of(out)
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from pdist import _bench, _doctor
-from pdist.__main__ import main
-from pdist._bench import Case, run_cases
+from pdist._compat import FEATURES
+from pdist.cli import bench, doctor, main
+from pdist.cli.bench import Case, run_cases
 from pdist.testing import world_sizes
 
 
@@ -20,28 +21,32 @@ def test_doctor_on_two_spawned_ranks(capsys):
     assert main(["doctor", "--nproc", "2"]) == 0
     out = capsys.readouterr().out
     assert "pdist doctor: 2 ranks on 1 host(s), 2 per host; backend gloo" in out
-    for name, _ in _doctor.CHECKS:
+    for name, _ in doctor.CHECKS:
         assert f"check {name:<20} ok" in out
     assert "verdict: healthy" in out
+    assert f"torch {torch.__version__}:" in out
+    for line in FEATURES.summary():  # what this torch offers, as _compat probed it
+        assert f"  {line}\n" in out
 
 
 def test_doctor_names_the_failing_check():
     """A failed check makes the verdict unhealthy, naming the check and ranks; exit code 1."""
     me = {"rank": 0, "host": "h", "device": "cpu", "gpu": "-", "cpus": [0, 1, 2, 5], "node": [0, 1]}
-    ok = [(name, None) for name, _ in _doctor.CHECKS]
+    ok = [(name, None) for name, _ in doctor.CHECKS]
     bad = [
         (name, "AssertionError: got [1.0]" if name == "all_gather" else None)
-        for name, _ in _doctor.CHECKS
+        for name, _ in doctor.CHECKS
     ]
     report = {
         "world_size": 2,
         "backend": "gloo",
+        "torch": ["2.6.0", "torch: (2, 6)", "split_group: True"],
         "timeout": 30.0,
         "subgroup_timeout": 30.0,
         "guard_timeout": None,
         "ranks": [{"me": me, "results": ok}, {"me": {**me, "rank": 1}, "results": bad}],
     }
-    text, code = _doctor.render(report)
+    text, code = doctor.render(report)
     assert code == 1
     assert "check all_gather           FAILED" in text
     assert (
@@ -50,6 +55,7 @@ def test_doctor_names_the_failing_check():
     )
     assert "0-2,5" in text
     assert "start-up guard forever" in text
+    assert "torch 2.6.0:\n  torch: (2, 6)\n  split_group: True\n" in text
 
 
 @pytest.mark.parametrize(
@@ -144,8 +150,24 @@ def test_bench_synchronizes_accelerators_before_reading_the_clock(monkeypatch):
     """On a non-CPU device every timer read follows a device synchronize; on CPU none is needed."""
     calls = []
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(device))
-    assert _bench._synchronizer(torch.device("cpu"))() is None
+    assert bench._synchronizer(torch.device("cpu"))() is None
     assert calls == []
-    sync = _bench._synchronizer(torch.device("cuda", 1))
-    _bench._batch(lambda: None, 3, sync)
+    sync = bench._synchronizer(torch.device("cuda", 1))
+    bench._batch(lambda: None, 3, sync)
     assert calls == [torch.device("cuda", 1)] * 2
+
+
+def test_python_dash_m_pdist_runs_the_command_line():
+    """``python -m pdist`` is the same command line (here: usage and exit code 2)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pdist", "frobnicate"], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 2
+    assert "usage: pdist" in out.stderr
+
+
+def test_the_library_never_imports_the_command_line():
+    """The CLI sits on top: importing pdist (and pdist.testing) loads no pdist.cli module."""
+    code = "import sys, pdist, pdist.testing; print(sorted(m for m in sys.modules if 'cli' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pdist.cli" not in out.stdout

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from launcher import run_ranks
 
 import pdist
-from pdist import _guard, _scale
+from pdist import _guard
+from pdist.cli import scale
 from pdist.testing import spawn, world_sizes
 
 # --------------------------------------------------------------------------- the deadline
@@ -419,7 +420,7 @@ def test_a_rank_that_cannot_create_its_probe_fails_every_rank():
 
 
 def _simulations(runs: list[tuple[int, str]]) -> list[dict]:
-    return [_scale.simulate(w, mode, clean_up=True) for w, mode in runs]
+    return [scale.simulate(w, mode, clean_up=True) for w, mode in runs]
 
 
 def test_communicator_calls_do_not_grow_with_the_world():

@@ -1,11 +1,7 @@
-"""``python -m pdist bench``: pdist's collectives timed against baselines in the same run.
+"""The runner of ``pdist bench``: a figure is the slowest rank's median over repeated batches.
 
-Every case is timed as the median of repeated batches after warm-up, pdist
-and its baselines interleaved batch by batch (in a rotating order) so that
-drift hits them alike;
-a rank's figure is the slowest rank's median. Ratios are pdist / baseline.
-The device is synchronized before every timer read, so that on an accelerator
-a batch's time is the work it did, not the time to enqueue it.
+pdist and its baselines are interleaved batch by batch (in a rotating order) so that drift hits
+them alike. The device is synchronized before every clock read: a batch's time is its work.
 """
 
 from __future__ import annotations
@@ -16,28 +12,25 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from ._group import DistContext
+from pdist import DistContext
 
-__all__ = ["Case", "Record", "environment", "run_cases"]
+__all__ = ["Case", "Fns", "Record", "run_cases"]
+
+Fns = dict[str, Callable[[], object]]
 
 
 @attrs.frozen
 class Case:
-    """One benchmark case: ``setup(ctx, stack)`` returns the functions to time, by name.
-
-    The function named ``"pdist"`` is the subject; the others are baselines.
-    Whatever the setup enters on ``stack`` is closed after the case.
-    """
+    """``setup(ctx, stack)`` returns the functions to time: ``"pdist"`` and baselines, by name."""
 
     name: str
     nbytes: int
-    setup: Callable[[DistContext, contextlib.ExitStack], dict[str, Callable[[], object]]]
+    setup: Callable[[DistContext, contextlib.ExitStack], Fns]
     inner: int = 1
     busbw_factor: Callable[[int], float] = lambda n: 1.0
     quick: bool = True
@@ -55,23 +48,8 @@ class Record:
     algbw_gbps: float
     busbw_gbps: float
 
-    def as_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return attrs.asdict(self)
-
-
-def environment(ctx: DistContext) -> dict[str, Any]:
-    """What the figures depend on: torch's version, the backend, the device kind, the world size."""
-    return {
-        "torch_version": torch.__version__,
-        "backend": ctx.backend,
-        "device": ctx.device.type,
-        "world_size": ctx.world_size,
-    }
-
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """A function that waits for the work queued on ``device`` (nothing to wait for on CPU)."""
     if device.type == "cpu":
         return lambda: None
     return lambda: torch.accelerator.synchronize(device)
@@ -86,9 +64,7 @@ def _batch(fn: Callable[[], object], inner: int, synchronize: Callable[[], None]
     return (time.perf_counter() - start) / inner
 
 
-def _measure(
-    ctx: DistContext, fns: dict[str, Callable[[], object]], *, inner: int, warmup: int, repeats: int
-) -> dict[str, float]:
+def _measure(ctx: DistContext, fns: Fns, inner: int, warmup: int, repeats: int) -> dict[str, float]:
     cpu = ctx.world.cpu_group
     synchronize = _synchronizer(ctx.device)
     for fn in fns.values():
@@ -107,17 +83,26 @@ def _measure(
     return dict(zip(fns, medians.tolist(), strict=True))
 
 
-def run_cases(
-    ctx: DistContext,
-    cases: list[Case],
-    *,
-    quick: bool,
-    progress: bool,
-) -> Iterator[Record]:
-    """Run ``cases`` on every rank; yields one record per case (identical on every rank).
+def _record(ctx: DistContext, case: Case, seconds: dict[str, float]) -> Record:
+    mine = seconds["pdist"]
+    algbw = case.nbytes / mine / 1e9 if mine > 0 else 0.0
+    return Record(
+        name=case.name,
+        bytes=case.nbytes,
+        world_size=ctx.world_size,
+        seconds=seconds,
+        ratios={n: mine / s for n, s in seconds.items() if n != "pdist" and s > 0},
+        algbw_gbps=algbw,
+        busbw_gbps=algbw * case.busbw_factor(ctx.world_size),
+    )
 
-    With ``progress``, the case being timed is shown on stderr, and only when
-    stderr is a terminal (piped or redirected output gets no progress lines).
+
+def run_cases(
+    ctx: DistContext, cases: list[Case], *, quick: bool, progress: bool
+) -> Iterator[Record]:
+    """Run ``cases`` (the quick ones with ``quick``) on every rank; yields their records.
+
+    With ``progress``, the case being timed is shown on stderr if it is a terminal.
     """
     progress = progress and sys.stderr.isatty()
     selected = [c for c in cases if c.quick or not quick]
@@ -129,20 +114,9 @@ def run_cases(
             sys.stderr.flush()
         with contextlib.ExitStack() as stack:
             fns = case.setup(ctx, stack)
-            seconds = _measure(ctx, fns, inner=case.inner, warmup=warmup, repeats=repeats)
+            seconds = _measure(ctx, fns, case.inner, warmup, repeats)
             del fns
-        mine = seconds["pdist"]
-        ratios = {n: mine / s for n, s in seconds.items() if n != "pdist" and s > 0}
-        algbw = case.nbytes / mine / 1e9 if mine > 0 else 0.0
-        yield Record(
-            name=case.name,
-            bytes=case.nbytes,
-            world_size=ctx.world_size,
-            seconds=seconds,
-            ratios=ratios,
-            algbw_gbps=algbw,
-            busbw_gbps=algbw * case.busbw_factor(ctx.world_size),
-        )
+        yield _record(ctx, case, seconds)
     if progress:
         sys.stderr.write("\r" + " " * 60 + "\r")
         sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""``python -m pdist doctor``: report the topology, then check every collective once."""
+"""``python -m pdist doctor``: what torch offers, the topology, then every collective once."""
 
 from __future__ import annotations
 
@@ -10,30 +10,12 @@ from typing import Any
 
 import torch
 
-from ._collate import EvalSampler, collate_batches
-from ._collectives import (
-    all_gather,
-    all_reduce,
-    all_to_all_4d,
-    broadcast,
-    gather,
-    recv,
-    reduce,
-    send,
-)
-from ._context import distributed
-from ._errors import PdistError
-from ._gathers import all_gather_object
-from ._group import DistContext
-from ._guard import world_comm_guard, world_comm_timeout
-from ._mq import message_queue
-from ._objects import broadcast_object, broadcast_object_list
-from ._ranks import barrier
-from ._topology import nvml_handle
+import pdist
+from pdist import DistContext
+from pdist._compat import FEATURES
+from pdist._topology import nvml_handle
 
-__all__ = ["doctor", "doctor_rank"]
-
-Check = tuple[str, Callable[[DistContext], None]]
+__all__ = ["CHECKS", "doctor", "doctor_rank", "render"]
 
 
 def _expect(condition: bool, what: str) -> None:
@@ -41,39 +23,42 @@ def _expect(condition: bool, what: str) -> None:
         raise AssertionError(what)
 
 
+def _ranks(ctx: DistContext) -> list[float]:
+    return [float(r) for r in range(ctx.world_size)]
+
+
 def _check_all_reduce(ctx: DistContext) -> None:
-    out = all_reduce(ctx, torch.full((4,), float(ctx.rank + 1), device=ctx.device))
+    out = pdist.all_reduce(ctx, torch.full((4,), float(ctx.rank + 1), device=ctx.device))
     total = ctx.world_size * (ctx.world_size + 1) / 2
     _expect(bool((out == total).all()), f"sum {out.tolist()} != {total}")
 
 
 def _check_all_gather(ctx: DistContext) -> None:
-    out = all_gather(ctx, torch.tensor([float(ctx.rank)], device=ctx.device), dim=0)
-    _expect(out.tolist() == [float(r) for r in range(ctx.world_size)], f"got {out.tolist()}")
+    out = pdist.all_gather(ctx, torch.tensor([float(ctx.rank)], device=ctx.device), dim=0)
+    _expect(out.tolist() == _ranks(ctx), f"got {out.tolist()}")
 
 
 def _check_broadcast(ctx: DistContext) -> None:
     x = torch.full((3,), float(ctx.rank), device=ctx.device)
-    broadcast(ctx, x, src=ctx.world_size - 1)
+    pdist.broadcast(ctx, x, src=ctx.world_size - 1)
     _expect(bool((x == ctx.world_size - 1).all()), f"got {x.tolist()}")
 
 
 def _check_reduce_gather(ctx: DistContext) -> None:
     x = torch.tensor([float(ctx.rank)], device=ctx.device)
-    summed = reduce(ctx, x, dst=0, op="sum")
-    gathered = gather(ctx, x, dst=0, dim=0)
+    summed = pdist.reduce(ctx, x, dst=0, op="sum")
+    gathered = pdist.gather(ctx, x, dst=0, dim=0)
     if ctx.rank == 0:
-        assert summed is not None
-        assert gathered is not None
-        _expect(summed.item() == sum(range(ctx.world_size)), f"reduce gave {summed.item()}")
-        _expect(gathered.tolist() == [float(r) for r in range(ctx.world_size)], "gather order")
+        total = sum(range(ctx.world_size))
+        _expect(summed is not None and summed.item() == total, f"reduce gave {summed}")
+        _expect(gathered is not None and gathered.tolist() == _ranks(ctx), "gather order")
 
 
 def _check_all_to_all(ctx: DistContext) -> None:
     p = ctx.world_size
     full = torch.arange(2 * p * p * 3, dtype=torch.float32).reshape(1, 2 * p, p, 3)
     local = full[:, 2 * ctx.rank : 2 * ctx.rank + 2].to(ctx.device)
-    out = all_to_all_4d(ctx, local).cpu()
+    out = pdist.all_to_all_4d(ctx, local).cpu()
     _expect(torch.equal(out, full[:, :, ctx.rank : ctx.rank + 1]), "all_to_all_4d layout")
 
 
@@ -82,41 +67,40 @@ def _check_send_recv(ctx: DistContext) -> None:
         return
     x = torch.full((2,), float(ctx.rank), device=ctx.device)
     if ctx.rank == 0:
-        send(ctx, x)
-        got = recv(ctx, (2,), torch.float32)
-    else:
-        got = recv(ctx, (2,), torch.float32)
-        send(ctx, x)
+        pdist.send(ctx, x)
+    got = pdist.recv(ctx, (2,), torch.float32)
+    if ctx.rank != 0:
+        pdist.send(ctx, x)
     _expect(bool((got == ctx.world.prev_rank).all()), f"ring gave {got.tolist()}")
 
 
 def _check_objects(ctx: DistContext) -> None:
-    obj = broadcast_object(ctx, {"from": ctx.rank, "t": torch.ones(2)} if ctx.rank == 0 else None)
-    _expect(obj["from"] == 0, "broadcast_object")
-    everyone = all_gather_object(ctx, ctx.rank)
+    mine = {"from": ctx.rank, "t": torch.ones(2)} if ctx.rank == 0 else None
+    _expect(pdist.broadcast_object(ctx, mine)["from"] == 0, "broadcast_object")
+    everyone = pdist.all_gather_object(ctx, ctx.rank)
     _expect(everyone == list(range(ctx.world_size)), f"all_gather_object gave {everyone}")
     items: list[Any] = [{"w": torch.arange(10.0)}] if ctx.rank == 0 else [None]
-    broadcast_object_list(ctx, items)
+    pdist.broadcast_object_list(ctx, items)
     _expect(torch.equal(items[0]["w"].cpu(), torch.arange(10.0)), "broadcast_object_list")
 
 
 def _check_collate(ctx: DistContext) -> None:
     size = 2 * ctx.world_size + 1
-    indices = list(EvalSampler(range(size), ctx))
+    indices = list(pdist.EvalSampler(range(size), ctx))
     batches = [torch.tensor(indices, device=ctx.device)] if indices else []
-    out = collate_batches(ctx, batches)
+    out = pdist.collate_batches(ctx, batches)
     _expect(out is not None and out.tolist() == list(range(size)), "collate_batches order")
 
 
 def _check_message_queue(ctx: DistContext) -> None:
     if ctx.node.world_size != ctx.world_size:
         return  # needs one host
-    with message_queue(ctx, chunk_bytes=1 << 16, chunks=2) as group:
-        got = broadcast_object(group, {"step": 1} if ctx.rank == 0 else None)
+    with pdist.message_queue(ctx, chunk_bytes=1 << 16, chunks=2) as group:
+        got = pdist.broadcast_object(group, {"step": 1} if ctx.rank == 0 else None)
     _expect(got == {"step": 1}, "message_queue")
 
 
-CHECKS: list[Check] = [
+CHECKS: list[tuple[str, Callable[[DistContext], None]]] = [
     ("all_reduce", _check_all_reduce),
     ("all_gather", _check_all_gather),
     ("broadcast", _check_broadcast),
@@ -126,8 +110,9 @@ CHECKS: list[Check] = [
     ("object collectives", _check_objects),
     ("collate_batches", _check_collate),
     ("message_queue", _check_message_queue),
-    ("barrier", barrier),
+    ("barrier", pdist.barrier),
 ]
+"""The doctor's checks, in the order they run: ``(name, check(ctx))``."""
 
 
 def _gpu_name(ctx: DistContext) -> str:
@@ -138,13 +123,25 @@ def _gpu_name(ctx: DistContext) -> str:
         with nvml_handle(ctx.device.index) as (pynvml, handle):
             name = pynvml.nvmlDeviceGetName(handle)
             return name.decode() if isinstance(name, bytes) else str(name)
-    except (PdistError, ValueError):  # no NVML: torch knows the name too
+    except (pdist.PdistError, ValueError):  # no NVML: torch knows the name too
         return torch.cuda.get_device_name(ctx.device)
 
 
+def _run_checks(ctx: DistContext) -> list[tuple[str, str | None]]:
+    """Every check's failure line, or None; a failure does not stop the others (ranks in step)."""
+    results: list[tuple[str, str | None]] = []
+    for name, check in CHECKS:
+        try:
+            check(ctx)
+            results.append((name, None))
+        except Exception as exc:
+            results.append((name, traceback.format_exception_only(type(exc), exc)[-1].strip()))
+    return results
+
+
 def doctor_rank() -> dict[str, Any]:
-    """Run the doctor on this rank; every rank returns the same report."""
-    with distributed() as ctx:
+    """Run the doctor on this rank; every rank returns the same report (all must call it)."""
+    with pdist.distributed() as ctx:
         me = {
             "rank": ctx.rank,
             "host": socket.gethostname(),
@@ -153,92 +150,79 @@ def doctor_rank() -> dict[str, Any]:
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             "node": list(ctx.node.ranks),
         }
-        results: list[tuple[str, str | None]] = []
-        with world_comm_guard(ctx):
-            for name, check in CHECKS:
-                try:
-                    check(ctx)
-                    results.append((name, None))
-                except Exception as exc:  # report, do not stop: the other ranks go on in step
-                    line = traceback.format_exception_only(type(exc), exc)[-1].strip()
-                    results.append((name, line))
-        ranks = all_gather_object(ctx, {"me": me, "results": results})
+        with pdist.world_comm_guard(ctx):
+            results = _run_checks(ctx)
         return {
             "world_size": ctx.world_size,
             "backend": ctx.backend,
+            "torch": [torch.__version__, *FEATURES.summary()],
             "timeout": ctx.world.timeout.total_seconds(),
             "subgroup_timeout": ctx.tp.timeout.total_seconds(),
-            "guard_timeout": world_comm_timeout(),
-            "ranks": ranks,
+            "guard_timeout": pdist.world_comm_timeout(),
+            "ranks": pdist.all_gather_object(ctx, {"me": me, "results": results}),
         }
 
 
 def _cpus(cpus: list[int]) -> str:
-    if not cpus:
-        return "-"
-    spans, start, prev = [], cpus[0], cpus[0]
-    for c in [*cpus[1:], None]:
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if c is not None:
-            start = prev = c
-    return ",".join(spans)
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
+    spans: list[list[int]] = []
+    for c in cpus:
+        if spans and c == spans[-1][-1] + 1:
+            spans[-1][1:] = [c]
+        else:
+            spans.append([c])
+    return ",".join("-".join(map(str, s)) for s in spans) or "-"
 
 
 def render(report: dict[str, Any]) -> tuple[str, int]:
     """The text report and the exit code (0 healthy, 1 a check failed)."""
-    ranks = report["ranks"]
-    hosts = sorted({tuple(r["me"]["node"]) for r in ranks})
+    hosts = sorted({tuple(r["me"]["node"]) for r in report["ranks"]})
     guard = report["guard_timeout"]
+    version, *features = report["torch"]
     lines = [
         f"pdist doctor: {report['world_size']} ranks on {len(hosts)} host(s), "
         f"{len(hosts[0]) if hosts else 0} per host; backend {report['backend']}",
+        f"torch {version}:",
+        *(f"  {line}" for line in features),
         f"timeouts: collective {report['timeout']:g}s, subgroup {report['subgroup_timeout']:g}s, "
         f"start-up guard {'forever' if guard is None else f'{guard:g}s'}"
         f" (PDIST_TIMEOUT_SEC={os.environ.get('PDIST_TIMEOUT_SEC', '-')}, "
         f"PDIST_WORLD_COMM_TIMEOUT_SEC={os.environ.get('PDIST_WORLD_COMM_TIMEOUT_SEC', '-')})",
         f"{'rank':>4}  {'host':<20} {'node ranks':<14} {'device':<8} {'gpu':<24} cpus",
     ]
-    for r in ranks:
-        me = r["me"]
+    for me in (r["me"] for r in report["ranks"]):
         lines.append(
             f"{me['rank']:>4}  {me['host'][:20]:<20} {str(me['node'])[:14]:<14} "
             f"{me['device']:<8} {me['gpu'][:24]:<24} {_cpus(me['cpus'])}"
         )
     failures: dict[str, list[tuple[int, str]]] = {}
     for name, _ in CHECKS:
-        for r in ranks:
+        for r in report["ranks"]:
             detail = dict(r["results"]).get(name)
             if detail is not None:
                 failures.setdefault(name, []).append((r["me"]["rank"], detail))
-        status = "FAILED" if name in failures else "ok"
-        lines.append(f"check {name:<20} {status}")
+        lines.append(f"check {name:<20} {'FAILED' if name in failures else 'ok'}")
     if failures:
         name, bad = next(iter(failures.items()))
-        lines.append(
-            f"verdict: UNHEALTHY: check {name!r} failed on ranks {[b[0] for b in bad]}: {bad[0][1]}"
-        )
+        ranks = [b[0] for b in bad]
+        lines.append(f"verdict: UNHEALTHY: check {name!r} failed on ranks {ranks}: {bad[0][1]}")
         return "\n".join(lines), 1
     lines.append(f"verdict: healthy ({len(CHECKS)} checks passed on {report['world_size']} ranks)")
     return "\n".join(lines), 0
 
 
 def doctor(nproc: int | None) -> int:
-    """Run the doctor under torchrun (every rank) or on ``nproc`` spawned local ranks."""
-    if "RANK" in os.environ and nproc is None:
-        report = doctor_rank()
-        if os.environ.get("RANK") != "0":
-            return 0 if render(report)[1] == 0 else 1
-    else:
-        from .testing import SpawnError, spawn
+    """Run the doctor; returns the exit code (0 healthy, 1 a check or a rank failed)."""
+    from pdist.testing import SpawnError
 
-        try:
-            report = spawn(doctor_rank, nproc or 2, timeout=600, capture_output=False)[0]
-        except SpawnError as exc:
-            print(f"pdist doctor: UNHEALTHY: {exc}")
-            return 1
+    from . import on_ranks
+
+    try:
+        report, reports = on_ranks(doctor_rank, nproc, timeout=600)
+    except SpawnError as exc:
+        print(f"pdist doctor: UNHEALTHY: {exc}")
+        return 1
     text, code = render(report)
-    print(text)
+    if reports:  # every rank exits with the verdict; one prints it
+        print(text)
     return code

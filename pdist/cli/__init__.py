@@ -1,0 +1,136 @@
+"""The command line, ``python -m pdist doctor|bench`` (or ``pdist``): no pdist module imports it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+__all__ = ["main", "on_ranks"]
+
+R = TypeVar("R")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        msg = f"{text!r} is not an integer"
+        raise argparse.ArgumentTypeError(msg) from None
+    if value < 1:
+        msg = f"{value} must be at least 1"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _worlds(text: str) -> list[int]:
+    from .scale import DEFAULT_WORLDS
+
+    parts = [w for w in text.split(",") if w.strip()]
+    worlds = DEFAULT_WORLDS if text == "default" else [_positive(w) for w in parts]
+    for w in worlds:
+        if w % 8:
+            msg = f"{w} is not a multiple of 8 (the simulated job uses tp=8 and 8 ranks per host)"
+            raise argparse.ArgumentTypeError(msg)
+    if not worlds:
+        msg = "give at least one world size"
+        raise argparse.ArgumentTypeError(msg)
+    return list(worlds)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdist", description="pdist command line tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench}")
+    doctor = sub.add_parser("doctor", help="check the distributed set-up and report its health")
+    doctor.add_argument("--nproc", type=_positive, help="spawn N local ranks")
+    bench = sub.add_parser("bench", help="time pdist's collectives against torch baselines")
+    bench.add_argument("--nproc", type=_positive, help="spawn N local ranks (default 2)")
+    bench.add_argument("--quick", action="store_true", help="a short run (a minute on 2 CPU ranks)")
+    bench.add_argument(
+        "--json", metavar="PATH", help="write every figure, with the set-up it ran on, to PATH"
+    )
+    bench.add_argument(
+        "--simulate-world",
+        metavar="W[,W...]",
+        type=_worlds,
+        help="instead, measure start-up on simulated worlds of W ranks (torch's fake process "
+        "group) next to init_device_mesh; 'default' = 512,4096,8192,16384",
+    )
+    return parser
+
+
+def on_ranks(fn: Callable[..., R], nproc: int | None, *args: Any, timeout: float) -> tuple[R, bool]:
+    """``fn(*args)`` on every rank under torchrun, else on ``nproc`` (default 2) spawned ranks.
+
+    Returns:
+        Its result (rank 0's when spawned), and whether this process reports it.
+    """
+    if "RANK" in os.environ and nproc is None:
+        return fn(*args), os.environ["RANK"] == "0"
+    from pdist.testing import spawn
+
+    return spawn(fn, nproc or 2, *args, timeout=timeout, capture_output=False)[0], True
+
+
+def _write(path: str | None, report: Any, count: int) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {count} records to {path}")
+
+
+def _simulate(worlds: list[int], json_path: str | None) -> int:
+    from .scale import MODES, format_table, measure
+
+    rows = []
+    for w in worlds:
+        for mode in MODES:
+            sys.stderr.write(f"simulating W={w} ({mode})\n")
+            rows.append(measure(w, mode))
+    print("pdist bench --simulate-world: one simulated rank of a W-rank job, tp=8, 8 ranks/host")
+    print(format_table(rows))
+    _write(json_path, rows, len(rows))
+    return 0
+
+
+def _format(records: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'case':<42} {'bytes':>11} {'pdist':>10} {'algbw':>8} {'busbw':>8}  ratios vs baselines"
+    ]
+    for r in records:
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+        lines.append(
+            f"{r['name']:<42} {r['bytes']:>11} {r['seconds']['pdist'] * 1e6:>8.0f}us "
+            f"{r['algbw_gbps']:>6.2f}GB {r['busbw_gbps']:>6.2f}GB  {ratios}"
+        )
+    return "\n".join(lines)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.simulate_world is not None:
+        return _simulate(args.simulate_world, args.json)
+    from .cases import bench_rank
+
+    report, reports = on_ranks(bench_rank, args.nproc, args.quick, True, timeout=3600)
+    if not reports:
+        return 0
+    print(
+        f"pdist bench: {report['world_size']} ranks, {report['backend']} on {report['device']}, "
+        f"torch {report['torch_version']}, {'quick' if args.quick else 'full'} run"
+    )
+    print(_format(report["records"]))
+    _write(args.json, report, len(report["records"]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    from .doctor import doctor
+
+    return doctor(args.nproc)

@@ -1,0 +1,192 @@
+"""``pdist bench --simulate-world W``: start-up cost of one rank of a simulated W-rank job.
+
+The rank runs on torch's fake process group (every collective accepted, no data moved), which
+``distributed(tp=8)`` adopts, in a fresh interpreter per measurement. Modes: ``pdist``;
+``mesh``, ``init_device_mesh("cpu", (W // 8, 1, 8))``; ``pdist-split``, pdist on an
+accelerator-bound world (device groups split from the world).
+
+Only torch is patched, never pdist: ``new_group``, ``split_group`` and the all-gathers count
+calls (and those involving every rank) and bytes; an all-gather returns this rank's input as
+every rank's, the kernel's boot id in it made up per host of 8 ranks; the store is a
+``HashStore``. For ``pdist-split``, ``torch.accelerator`` reports a ``meta`` device, the world
+is bound to it (``bound_device_id``, as NCCL's by ``device_id=``), and ``split_group`` builds
+the caller's block. CPU time is ``time.process_time()``, added RSS the growth of ``ru_maxrss``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEFAULT_WORLDS", "MODES", "format_table", "measure", "simulate"]
+
+DEFAULT_WORLDS = (512, 4096, 8192, 16384)
+MODES = ("pdist", "mesh", "pdist-split")
+_TP = _PER_HOST = 8
+
+
+def _replace(stack: contextlib.ExitStack, owner: Any, name: str, new: Any) -> None:
+    """Set ``owner.name`` (a torch function, a group's property) to ``new`` until ``stack`` ends."""
+    stack.callback(setattr, owner, name, getattr(owner, name))
+    setattr(owner, name, new)
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert world is not None  # simulate() initialized it
+    return world
+
+
+def _fill(out: torch.Tensor, inp: torch.Tensor, ranks: list[int], boot: bytes) -> None:
+    """Write into ``out`` what ``ranks`` would gather: ``inp`` each, with its host's boot id."""
+    # Through ctypes, not torch: a torch copy of a few KiB can spin threads for milliseconds.
+    if out.device.type != "cpu" or not (out.is_contiguous() and inp.is_contiguous()):
+        return
+    mine = ctypes.string_at(inp.data_ptr(), inp.numel() * inp.element_size())
+    hosts = {
+        h: mine.replace(boot, b"sim%05x" % h + boot[8:]) for h in {r // _PER_HOST for r in ranks}
+    }
+    hosts[dist.get_rank() // _PER_HOST] = mine  # "sim" above: never a real (hex) boot id
+    data = b"".join(hosts[r // _PER_HOST] for r in ranks)
+    ctypes.memmove(out.data_ptr(), data, min(len(data), out.numel() * out.element_size()))
+
+
+def _wrap_torch(stack: contextlib.ExitStack, stats: dict[str, int]) -> None:
+    """Count torch's group-creating calls and all-gathers; make up the records gathered."""
+    from torch.distributed import device_mesh, distributed_c10d
+
+    new_group, boot = dist.new_group, Path("/proc/sys/kernel/random/boot_id").read_bytes().strip()
+
+    def counted_new_group(*args: Any, **kwargs: Any) -> Any:
+        stats["new_group"] += 1
+        stats["world_wide"] += not kwargs.get("use_local_synchronization", False)
+        return new_group(*args, **kwargs)
+
+    def split_group(*args: Any, split_ranks: list[list[int]], **kwargs: Any) -> Any:
+        stats["split_group"] += 1
+        stats["world_wide"] += 1
+        mine = next(b for b in split_ranks if dist.get_rank() in b)
+        with contextlib.ExitStack() as stack:
+            _replace(stack, _world(), "bound_device_id", None)  # or new_group splits the world
+            return new_group(mine, use_local_synchronization=True, backend="fake")
+
+    def gathering(real: Callable[..., Any]) -> Callable[..., Any]:
+        def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None, **kw: Any) -> Any:
+            stats["all_gather_bytes"] += out.numel() * out.element_size()
+            work = real(out, inp, group=group, **kw)
+            _fill(out, inp, dist.get_process_group_ranks(group or _world()), boot)
+            return work
+
+        return all_gather
+
+    for module in (dist, distributed_c10d, device_mesh):
+        for name, wrapper in (("new_group", counted_new_group), ("split_group", split_group)):
+            if hasattr(module, name):
+                _replace(stack, module, name, wrapper)
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, name):
+            _replace(stack, dist, name, gathering(getattr(dist, name)))
+
+
+def _bind_to_meta(stack: contextlib.ExitStack) -> None:
+    """Make the fake world look bound to an accelerator, as NCCL's with ``device_id=``."""
+    for name, fake in (
+        ("is_available", lambda: True),
+        ("current_accelerator", lambda *a, **k: torch.device("meta")),
+        ("device_count", lambda: _PER_HOST),
+    ):
+        _replace(stack, torch.accelerator, name, fake)
+    _replace(stack, _world(), "bound_device_id", torch.device("meta", 0))
+
+
+def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str, Any]:
+    """One start-up's figures, measured in this process (memory: only a fresh one's counts).
+
+    With ``clean_up`` the groups, the world and torch's functions are put back afterwards.
+    """
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers "fake"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pdist import distributed
+    from pdist._compat import HashStore
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(_PER_HOST)
+    rank = world_size // 2 + 3 if world_size > 8 else world_size - 1
+    dist.init_process_group("fake", store=HashStore(), rank=rank, world_size=world_size)
+    stats = {"new_group": 0, "split_group": 0, "world_wide": 0, "all_gather_bytes": 0}
+    stack = contextlib.ExitStack()
+    try:
+        _wrap_torch(stack, stats)
+        if mode == "pdist-split":
+            _bind_to_meta(stack)
+        gc.collect()
+        rss, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.process_time()
+        if mode == "mesh":
+            shape, names = (world_size // _TP, 1, _TP), ("dp", "sp", "tp")
+            held: Any = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        else:
+            held = distributed(tp=_TP)
+            held.__enter__()
+            if clean_up:  # before the patches go: the stack closes last in, first out
+                stack.callback(held.__exit__, None, None, None)
+        seconds = time.process_time() - start
+        added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+        del held
+    finally:
+        if clean_up:
+            stack.close()
+            dist.destroy_process_group()
+    cpu = {"cpu_seconds": seconds, "added_rss_mib": added / 1024}
+    return {"world_size": world_size, "mode": mode, "rank": rank, **cpu, **stats}
+
+
+def measure(world_size: int, mode: str, *, timeout: float = 600.0) -> dict[str, Any]:
+    """:func:`simulate` in a fresh interpreter (peak memory is per process)."""
+    code = (
+        "import json, os, sys; from pdist.cli.scale import simulate; "
+        f"print('PDIST-SCALE', json.dumps(simulate({world_size}, {mode!r}))); "
+        "sys.stdout.flush(); os._exit(0)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    cmd = [sys.executable, "-c", code]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("PDIST-SCALE "):
+            result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+            return result
+    msg = f"simulating W={world_size} ({mode}) failed:\n{out.stdout}\n{out.stderr[-4000:]}"
+    raise RuntimeError(msg)
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The table ``pdist bench --simulate-world`` prints: the modes of each world side by side."""
+    by = {(r["world_size"], r["mode"]): r for r in rows}
+    lines = [
+        f"{'W':>6} | {'pdist cpu':>9} {'mesh cpu':>9} {'ratio':>6} | {'pdist rss':>9} "
+        f"{'mesh rss':>9} | {'pdist calls':>11} {'mesh calls':>10} | {'host bytes':>10} "
+        f"{'/ W':>5} | {'split path: world-wide splits':>29}"
+    ]
+    for w in sorted({r["world_size"] for r in rows}):
+        p, m, s = (by[w, mode] for mode in MODES)
+        ratio = p["cpu_seconds"] / m["cpu_seconds"] if m["cpu_seconds"] > 0 else float("inf")
+        splits = f"{s['split_group']} (+{s['world_wide'] - s['split_group']} other)"
+        lines.append(
+            f"{w:>6} | {p['cpu_seconds']:>8.3f}s {m['cpu_seconds']:>8.3f}s {ratio:>5.2f}x | "
+            f"{p['added_rss_mib']:>6.1f}MiB {m['added_rss_mib']:>6.1f}MiB | "
+            f"{p['new_group'] + p['split_group']:>11} {m['new_group'] + m['split_group']:>10} | "
+            f"{p['all_gather_bytes']:>10} {p['all_gather_bytes'] / w:>5.0f} | {splits:>29}"
+        )
+    return "\n".join(lines)
