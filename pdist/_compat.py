@@ -58,6 +58,7 @@ __all__ = [
     "l2_fetch_granularity",
     "parse_version",
     "reduce_scatter_into",
+    "register_fake_backend",
     "register_work",
     "safe_load",
     "set_l2_fetch_granularity",
@@ -327,6 +328,11 @@ def store_connection(store: Store) -> Store:
     if isinstance(store, TCPStore):
         return TCPStore(store.host, store.port, is_master=False, wait_for_workers=False)
     return store
+
+
+def register_fake_backend() -> None:
+    """Register torch's ``"fake"`` backend (a test helper of torch's), for simulated worlds."""
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")
 
 
 def dtensor_type() -> type | None:

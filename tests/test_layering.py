@@ -66,6 +66,7 @@ FEATURE_EDGES = {
     ("_context", "_guard"),
     ("_context", "_stall"),
     ("_stall", "_guard"),
+    ("__main__", "cli"),  # python -m pdist runs the command line
 }
 
 
@@ -74,24 +75,35 @@ def _module(path: Path) -> str:
     return "cli" if rel.parts[0] == "cli" else rel.stem
 
 
+def _target(name: str) -> str:
+    """The layer name of pdist module ``name`` (a name of ``pdist/__init__`` is the package)."""
+    return name if name in LAYERS or name == "cli" else "__init__"
+
+
 def _imports(path: Path) -> list[tuple[str, list[str]]]:
     """``(imported pdist module, names taken from it)`` for every import in ``path``."""
-    tree = ast.parse(path.read_text())
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
-            if node.module.startswith("pdist"):
-                parts = node.module.split(".")
-                target = parts[1] if len(parts) > 1 else None
-                if target is None:  # from pdist import _x
-                    found += [(a.name, []) for a in node.names]
-                else:
-                    found.append((target, [a.name for a in node.names]))
-        elif isinstance(node, ast.ImportFrom) and node.level > 0:
-            if node.module is None:  # from . import _x
-                found += [(a.name, []) for a in node.names]
-            else:
-                found.append((node.module.split(".")[0], [a.name for a in node.names]))
+    in_cli = _module(path) == "cli"
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        names = [a.name for a in node.names]
+        if node.level == 0:
+            if not (node.module or "").startswith("pdist"):
+                continue
+            parts = (node.module or "").split(".")
+            package_level = len(parts) == 1
+        else:
+            up = node.level - (1 if in_cli else 0)  # what the dots reach, from pdist/
+            parts = ["pdist"] if up <= 1 else []
+            if in_cli and up == 0:
+                parts = ["pdist", "cli"]
+            parts += (node.module or "").split(".") if node.module else []
+            package_level = len(parts) == 1
+        if package_level:  # from pdist import _x / from . import _x, name
+            found += [(_target(n), []) for n in names]
+        else:
+            found.append((_target(parts[1]), names))
     return found
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -47,12 +48,13 @@ def test_gpu_affinity_the_kernel_refuses_warns_and_keeps(monkeypatch, caplog):
     def refuse(pid, cpus):
         raise OSError(22, "Invalid argument")
 
-    class FakeNvml:  # NVML as the driver would answer: CPUs 0 and 1 are near GPU 0
-        nvmlInit = nvmlShutdown = staticmethod(lambda: None)
-        nvmlDeviceGetHandleByIndex = staticmethod(lambda index: index)
-        nvmlDeviceGetCpuAffinity = staticmethod(lambda handle, words: [0b11] + [0] * (words - 1))
-
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml)
+    fake_nvml = types.SimpleNamespace(  # NVML as a driver answers: CPUs 0 and 1 are near GPU 0
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetCpuAffinity=lambda handle, words: [0b11] + [0] * (words - 1),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(os, "sched_setaffinity", refuse)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _compat
+
 __all__ = ["DEFAULT_WORLDS", "MODES", "format_table", "measure", "simulate"]
 
 DEFAULT_WORLDS = (512, 4096, 8192, 16384)
@@ -117,7 +119,7 @@ def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str,
 
     With ``clean_up`` the groups, the world and torch's functions are put back afterwards.
     """
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  # registers "fake"
+    _compat.register_fake_backend()
     from torch.distributed.device_mesh import init_device_mesh
 
     from pdist import distributed
