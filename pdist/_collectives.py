@@ -10,8 +10,9 @@ functional ops and wait once (they keep their process groups alive, so they
 are used only while tracing). An eager launch is a :class:`_Launched`, which
 :func:`_result` waits for now or, with ``async_op=True``, on first use.
 
-gloo gets its own all-gather (along dim != 0) and reduce-scatter; the generic
-paths that other backends take are plain functions.
+gloo gets its own all-gather (along dim != 0) and reduce-scatter. The generic
+paths that other backends take are plain functions; :func:`generic_path` (the
+seam tests use; production never calls it) runs them on any group.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "broadcast",
     "broadcast_",
     "gather",
+    "generic_path",  # the test seam; pdist does not re-export it
     "recv",
     "reduce",
     "reduce_scatter",
@@ -292,6 +294,13 @@ def _launch_reduce_scatter_generic(group: Group, x: torch.Tensor, op: str, dim: 
     return _Launched(out, work, _divider(out, group.world_size, op))
 
 
+# What other backends take where gloo has its own path; tests reach them through generic_path.
+_GENERIC = {
+    "all_gather": _launch_all_gather_generic,
+    "reduce_scatter": _launch_reduce_scatter_generic,
+}
+
+
 def _launch_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> _Launched:
     p = group.world_size
     send = _chunks(x, scatter, p)  # [P, *chunk]: chunk r goes to rank r
@@ -474,6 +483,22 @@ def _in_place(
         if target is not buf:
             buf.copy_(target)
     return x
+
+
+def generic_path(
+    name: str, group: Group | DistContext, x: torch.Tensor, *options: Any
+) -> torch.Tensor:
+    """The test seam: ``name``'s backend-independent path, run on any group (gloo too).
+
+    Production takes these paths off gloo only; tests call this on gloo so that
+    their arithmetic is covered on every run. ``name`` is ``"all_gather"``
+    (options: ``dim``) or ``"reduce_scatter"`` (options: ``op, dim``), checked
+    as the public functions check them. Not differentiable.
+    """
+    launch = _GENERIC[name]
+    spec, g = _SPECS[name], as_group(group)
+    args = spec.check(g, _check_tensor(x), *options)
+    return _result(launch(g, _local(x).detach(), *args), async_op=False)
 
 
 # --------------------------------------------------------------------------- public functions

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pdist
+from pdist._collectives import generic_path  # the documented seam: NCCL's paths, on gloo
 from pdist.testing import spawn, world_sizes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -202,6 +203,29 @@ def test_reduce_scatter_gradients(ctx):
     x = xs[r].t().clone().requires_grad_(True)  # [3, 2P]
     (pdist.reduce_scatter(ctx, x.t().t(), dim=-1) * ws[r].t()).sum().backward()
     torch.testing.assert_close(x.grad, torch.cat([w_.t() for w_ in ws], dim=-1))
+
+
+@world_sizes(2, 3)
+def test_generic_paths_match_reference(ctx):
+    """The all-gather and reduce-scatter that NCCL takes equal their references on gloo too."""
+    w, r = ctx.world_size, ctx.rank
+    for dtype in DTYPES:
+        xs = _inputs(w, (2 * w, 5, 2 * w), dtype, seed=60)
+        for transpose in (False, True):
+            mine = xs[r].transpose(0, 2) if transpose else xs[r]
+            every = [x.transpose(0, 2) for x in xs] if transpose else xs
+            for dim in (0, 1, -1):
+                got = generic_path("all_gather", ctx, mine, dim)
+                assert torch.equal(got, torch.cat(every, dim=dim)), (dtype, transpose, dim)
+            # The op is torch's (gloo's reduce-scatter ignores it on torch 2.6); the layout
+            # of the chunks and the mean's division are pdist's.
+            for op in ("sum", "mean") if dtype.is_floating_point else ("sum",):
+                full = _reference(op, torch.stack(every), dtype)
+                for dim in (0, -1):
+                    got = generic_path("reduce_scatter", ctx, mine, op, dim)
+                    _assert_matches(got, full.chunk(w, dim=dim)[r], (op, dtype, transpose, dim))
+    with pytest.raises(ValueError, match=rf"size 5, which the group size {w} does not divide"):
+        generic_path("reduce_scatter", ctx, xs[r], "sum", 1)
 
 
 ASYNC_CASES = {
