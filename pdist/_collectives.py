@@ -344,7 +344,7 @@ def _traced_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> 
 def _traced_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
     ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
     out = ops.wait_tensor(ops.all_to_all_single(_chunks(x, scatter, p), [1] * p, [1] * p, name))
-    return torch.cat(out.unbind(0), dim=gather)
+    return out.movedim(0, gather).flatten(gather, gather + 1)  # a view for gather 0, as eagerly
 
 
 # --------------------------------------------------------------------------- the table

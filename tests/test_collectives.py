@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -349,6 +351,42 @@ def test_compiles_without_graph_breaks(ctx):
         # Compiled code holds the process groups; release it before the group is destroyed.
         del compiled, compiled_in_place, explained
         torch._dynamo.reset()
+
+
+@world_sizes(2, timeout=300)  # importing inductor alone takes a minute on a loaded machine
+def test_inductor_waits_once_per_collective(ctx):
+    """In inductor's generated code, each traced collective is followed by exactly one wait."""
+    from torch._inductor.utils import run_and_get_code
+
+    def step(x):
+        a = pdist.all_to_all_4d(ctx.world, x, scatter_dim=2, gather_dim=0)  # [2, 1, 1, 4]
+        b = pdist.all_reduce(ctx.world, a)
+        c = pdist.all_gather(ctx.world, b, dim=0)  # [4, 1, 1, 4]
+        return pdist.reduce_scatter(ctx.world, c, dim=0)  # [2, 1, 1, 4]
+
+    x = torch.arange(8.0).reshape(1, 1, 2, 4) + ctx.rank
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    # Along these dims every re-layout is a view: no C++ kernel to compile, which would
+    # take most of the time; no cache, so that the code is generated afresh.
+    options = {"fx_graph_cache": False, "compile_threads": 1}
+    try:
+        with torch._inductor.config.patch(options):
+            out, codes = run_and_get_code(compiled, x)
+        assert torch.equal(out, step(x))
+    finally:
+        del compiled
+        torch._dynamo.reset()
+    lines = [line for code in codes for line in code.splitlines() if "#" not in line]
+    calls = re.findall(r"torch\.ops\._c10d_functional\.(\w+)\.default\(", "\n".join(lines))
+    print(calls)
+    assert calls[1::2] == ["wait_tensor"] * 4, calls
+    expected = [
+        "all_to_all_single",
+        "all_reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+    ]
+    assert [c.rstrip("_") for c in calls[0::2]] == expected, calls
 
 
 @world_sizes(3)
