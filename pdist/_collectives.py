@@ -721,7 +721,10 @@ def shard(
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
-    .. note:: The destination must call :func:`recv` with the same shape and dtype.
+    .. note:: The destination must call :func:`recv` with the same shape and
+        dtype. Point-to-point tensor calls cannot tell the peer about a local
+        argument error: if that ``recv`` fails its checks, this call waits for
+        the group timeout (the object functions carry a failure to the peer).
     """
     g = as_group(group)
     _check_tensor(x)
@@ -731,17 +734,37 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
 
 def recv(
     group: Group | DistContext,
-    shape: tuple[int, ...] | torch.Size,
+    shape: int | tuple[int, ...] | list[int] | torch.Size,
     dtype: torch.dtype,
     src: int | None = None,
 ) -> torch.Tensor:
-    """Receive a tensor of ``shape``/``dtype`` from group index ``src`` (default: previous rank).
+    """Receive a new tensor from group index ``src`` (default: the previous rank).
+
+    ``shape`` is a tensor shape or an int size, as ``torch.empty`` takes.
+    Every argument is checked before anything is received.
+
+    .. note:: The source must call :func:`send` with a tensor of this shape
+        and dtype. Point-to-point tensor calls cannot tell the peer about a
+        local argument error: if this call fails its checks, the ``send``
+        waits for the group timeout (the object functions carry a failure to the peer).
 
     Returns:
-        A new tensor on the group's device.
+        The tensor, on the group's device.
+
+    Raises:
+        TypeError: ``shape`` is not an int or a sequence of non-negative ints,
+            or ``dtype`` is not a ``torch.dtype``.
+        ValueError: ``src`` is outside the group, or the group has one rank.
     """
     g = as_group(group)
+    dims = (shape,) if isinstance(shape, int) else shape
+    if not isinstance(dims, (tuple, list)) or not all(type(n) is int and n >= 0 for n in dims):
+        msg = f"shape={shape!r} must be an int or a sequence of non-negative ints"
+        raise TypeError(msg)
+    if not isinstance(dtype, torch.dtype):
+        msg = f"dtype={dtype!r} must be a torch.dtype, such as torch.float32"
+        raise TypeError(msg)
     peer = g.ranks[g.peer_index(src, g.prev_rank, "src")]
-    out = torch.empty(tuple(shape), dtype=dtype, device=g.device)
+    out = torch.empty(tuple(dims), dtype=dtype, device=g.device)
     dist.recv(out, src=peer, group=g.device_group)
     return out

@@ -434,6 +434,41 @@ def test_compiled_function_after_exit_raises_pdist_error():
         assert "torch.compile" in message
 
 
+@world_sizes(2, 3)
+def test_send_recv_take_a_shape_or_an_int_size(ctx):
+    """recv takes a shape or an int size (as vLLM's GroupCoordinator.recv does), around a ring."""
+    prev = (ctx.rank - 1) % ctx.world_size
+    for shape, expected in ((6, (6,)), ((2, 3), (2, 3)), ([3, 2], (3, 2)), (torch.Size([6]), (6,))):
+        mine = torch.arange(6.0).reshape(expected) + 10 * ctx.rank
+        if ctx.rank == 0:  # rank 0 starts the ring; the others pass it on
+            pdist.send(ctx, mine)
+        got = pdist.recv(ctx, shape, dtype=torch.float32)
+        if ctx.rank != 0:
+            pdist.send(ctx, mine)
+        assert torch.equal(got, torch.arange(6.0).reshape(expected) + 10 * prev), shape
+
+
+@world_sizes(2)
+def test_recv_checks_every_argument_before_receiving(ctx):
+    """A bad shape, dtype or src raises on the calling rank before anything is received."""
+    for shape, match in (
+        ("64", r"shape='64' must be an int or a sequence of non-negative ints"),
+        ((2, 2.0), r"shape=\(2, 2.0\) must be an int"),
+        ((2, -1), r"shape=\(2, -1\)"),
+        (True, r"shape=True"),
+        (None, r"shape=None"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            pdist.recv(ctx, shape, torch.float32)
+    with pytest.raises(TypeError, match=r"dtype='float32' must be a torch.dtype"):
+        pdist.recv(ctx, 4, "float32")
+    with pytest.raises(ValueError, match=r"src=2 is outside group 'world' of size 2"):
+        pdist.recv(ctx, 4, torch.float32, src=2)
+    # Checked in order, and none of them waited for a peer.
+    with pytest.raises(TypeError, match="shape="):
+        pdist.recv(ctx, "64", "float32", src=7)
+
+
 def test_options_after_the_tensor_are_keyword_only():
     """op, dim, scatter_dim and gather_dim cannot be passed by position; src/dst can."""
     x = torch.ones(2)
