@@ -295,7 +295,7 @@ def _launch_reduce_scatter_generic(group: Group, x: torch.Tensor, op: str, dim: 
 
 
 # What other backends take where gloo has its own path; tests reach them through generic_path.
-_GENERIC = {
+_GENERIC: dict[str, Callable[..., _Launched]] = {
     "all_gather": _launch_all_gather_generic,
     "reduce_scatter": _launch_reduce_scatter_generic,
 }
@@ -344,7 +344,8 @@ def _traced_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> 
 def _traced_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
     ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
     out = ops.wait_tensor(ops.all_to_all_single(_chunks(x, scatter, p), [1] * p, [1] * p, name))
-    return out.movedim(0, gather).flatten(gather, gather + 1)  # a view for gather 0, as eagerly
+    out = out.movedim(0, gather).flatten(gather, gather + 1)  # a view for gather 0, as eagerly
+    return cast("torch.Tensor", out)
 
 
 # --------------------------------------------------------------------------- the table
