@@ -245,13 +245,14 @@ def _broadcast_into(group: Group, out: torch.Tensor, src: int) -> _Launched:
 
 def _launch_all_gather(group: Group, x: torch.Tensor, dim: int) -> _Launched:
     x, p = x.contiguous(), group.world_size
+    direct = math.prod(x.shape[:dim]) == 1
+    if not direct and dist.get_backend(group.device_group) != "gloo":
+        return _launch_all_gather_generic(group, x, dim)
     out = x.new_empty(_resized(x, dim, p * x.shape[dim]))
-    if math.prod(x.shape[:dim]) == 1:
+    if direct:
         # Every rank's block is contiguous in the result: gather straight into it.
         work = all_gather_into(out.view(-1), x.view(-1), group.device_group, async_op=True)
         return _Launched(out, work)
-    if dist.get_backend(group.device_group) != "gloo":
-        return _launch_all_gather_generic(group, x, dim)
     # gloo gathers into a buffer of its own, then copies each rank's block to its
     # output tensor: given strided views of the result (rank r's block at index r
     # of dim), that copy is the permute, and nothing else touches the data.
