@@ -1,18 +1,18 @@
-"""Tensor collectives on a Group: group-relative, differentiable where useful, async on request.
+"""Tensor collectives on a Group: one runner over a table of specs.
 
-Eager calls use torch's plain collectives. While ``torch.compile`` traces,
-the same functions switch to torch's functional collectives, which trace
-without a graph break (functional collectives keep their process groups
-alive, so they are used only while tracing). With gradients disabled the
-autograd machinery is skipped.
+Each out-of-place collective is a :class:`_Spec` in ``_SPECS``, and
+:func:`_collective` runs every one the same way: check the arguments; on a
+one-rank group return ``x``; while tracing a closed group, stand in the op that
+raises pdist's error when the graph runs; where a gradient is wanted, go
+through one autograd Function (the gradient goes through the spec the backward
+names); then the traced form or the eager launch. Traced forms call torch's
+functional ops and wait once (they keep their process groups alive, so they
+are used only while tracing). An eager launch is a :class:`_Launched`, which
+:func:`_result` waits for now or, with ``async_op=True``, on first use.
 
-Every eager collective is launched the same way: a result tensor in its final
-layout, the torch work handle, and (where the wire layout is not the final
-one) a finishing step, run after the work completes. A synchronous call waits
-and finishes at once; ``async_op=True`` chains the finishing step onto the
-work's future and returns torch's ``AsyncCollectiveTensor`` over the result,
-so the wait happens when the tensor is first used, exactly as for torch's own
-functional collectives.
+gloo gets its own all-gather (along dim != 0) and reduce-scatter. The generic
+paths that other backends take are plain functions; :func:`generic_path` (the
+seam tests use; production never calls it) runs them on any group.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "broadcast",
     "broadcast_",
     "gather",
+    "generic_path",  # the test seam; pdist does not re-export it
     "recv",
     "reduce",
     "reduce_scatter",
@@ -53,8 +54,7 @@ _OPS: dict[str, Any] = {
     "min": ReduceOp.MIN,
     "product": ReduceOp.PRODUCT,
 }
-_FUNCOL_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "product"}
-_DIFFERENTIABLE_OPS = ("sum", "mean")
+_GRAD_OPS = ("sum", "mean")  # the differentiable reductions
 
 # A graph compiled after its distributed() block exited has no process group to
 # call; it gets this op instead, which raises pdist's own error when the graph
@@ -82,35 +82,24 @@ _LIB.impl("closed_group", _closed_group_kernel, "CompositeExplicitAutograd")
 torch.library.register_fake("pdist::closed_group", _closed_group_fake, lib=_LIB)
 
 
-def _compiling() -> bool:
-    return bool(torch.compiler.is_compiling())
+# --------------------------------------------------------------------------- checks
 
 
-def _check_op(op: str, allowed: tuple[str, ...], name: str = "op") -> str:
-    if op not in allowed:
-        msg = f"{name}={op!r} is not one of {allowed}"
-        raise ValueError(msg)
-    return op
-
-
-def _check_mean_dtype(x: torch.Tensor, op: str) -> None:
-    if op == "mean" and not (x.is_floating_point() or x.is_complex()):
-        msg = f"op='mean' needs a floating-point tensor, got dtype {x.dtype}; use op='sum'"
-        raise TypeError(msg)
-
-
-def _check_tensor(x: object, name: str = "x") -> torch.Tensor:
+def _check_tensor(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        msg = f"{name} must be a torch.Tensor, got {type(x).__name__}"
+        msg = f"x must be a torch.Tensor, got {type(x).__name__}"
         raise TypeError(msg)
     return x
 
 
-def _check_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        msg = f"{name}={value!r} must be True or False"
+def _check_op(x: torch.Tensor, op: str, allowed: tuple[str, ...] = tuple(_OPS)) -> str:
+    if op not in allowed:
+        msg = f"op={op!r} is not one of {allowed}"
+        raise ValueError(msg)
+    if op == "mean" and not (x.is_floating_point() or x.is_complex()):
+        msg = f"op='mean' needs a floating-point tensor, got dtype {x.dtype}; use op='sum'"
         raise TypeError(msg)
-    return value
+    return op
 
 
 def _norm_dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
@@ -123,21 +112,31 @@ def _norm_dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
     return dim % ndim
 
 
-def _check_divisible(x: torch.Tensor, dim: int, group: Group, name: str) -> None:
-    if x.shape[dim] % group.world_size:
+def _split_dim(group: Group, x: torch.Tensor, dim: int, what: str) -> int:
+    """``dim`` normalized, checked to be one the group size divides."""
+    d = _norm_dim(x, dim)
+    if x.shape[d] % group.world_size:
         msg = (
-            f"{name}: dimension {dim} of shape {tuple(x.shape)} has size {x.shape[dim]}, "
+            f"{what}: dimension {d} of shape {tuple(x.shape)} has size {x.shape[d]}, "
             f"which the group size {group.world_size} does not divide"
         )
         raise ValueError(msg)
+    return d
 
 
-def _needs_grad(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
+def _check_all_to_all(g: Group, x: torch.Tensor, scatter: int, gather: int) -> tuple[int, int]:
+    if x.dim() != 4:
+        msg = f"all_to_all_4d needs a 4-D tensor, got shape {tuple(x.shape)}"
+        raise ValueError(msg)
+    s, d = _norm_dim(x, scatter, "scatter_dim"), _norm_dim(x, gather, "gather_dim")
+    if s == d:
+        msg = f"scatter_dim={scatter} and gather_dim={gather} must differ"
+        raise ValueError(msg)
+    return _split_dim(g, x, s, "all_to_all_4d scatter_dim"), d
 
 
 def _refuse_grad(group: Group, x: torch.Tensor, name: str, use: str) -> None:
-    if _needs_grad(x):
+    if torch.is_grad_enabled() and x.requires_grad:
         msg = (
             f"{name} writes x in place and is not differentiable, but x requires grad "
             f"(rank {group.rank}); use pdist.{use}(...) (out of place), or call it "
@@ -146,26 +145,14 @@ def _refuse_grad(group: Group, x: torch.Tensor, name: str, use: str) -> None:
         raise ValueError(msg)
 
 
-def _local(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself, or the waited-for tensor inside torch's ``AsyncCollectiveTensor``.
+# --------------------------------------------------------------------------- eager launches
 
-    Called below autograd (inside a Function's forward, or on a tensor that
-    needs no gradient), so unwrapping loses no history.
-    """
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or the waited-for tensor in an ``AsyncCollectiveTensor`` (called below autograd)."""
     if _compat.is_async_tensor(x):
         return cast("torch.Tensor", cast("Any", x).trigger_wait())
     return x
-
-
-def _is_gloo(group: Group) -> bool:
-    return bool(dist.get_backend(group.device_group) == "gloo")
-
-
-def _closed_result(group: Group, x: torch.Tensor, shape: list[int]) -> torch.Tensor | None:
-    """While tracing a closed group's collective: the op that raises when the graph runs."""
-    if not group.is_closed:
-        return None
-    return cast("torch.Tensor", torch.ops.pdist.closed_group(x.detach(), shape, _CLOSED_MESSAGE))
 
 
 def _split(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
@@ -174,13 +161,32 @@ def _split(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
     return x.view(*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :])
 
 
+def _chunks(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """``x.chunk(parts, dim)`` stacked and contiguous: ``[P, *chunk]`` (no copy for dim 0)."""
+    return _split(x, dim, parts).movedim(dim, 0).contiguous()
+
+
 def _resized(x: torch.Tensor, dim: int, size: int) -> list[int]:
     shape = list(x.shape)
     shape[dim] = size
     return shape
 
 
-# --------------------------------------------------------------------------- launching
+def _exchanged(group: Group, x: torch.Tensor, scatter: int, gather: int) -> list[int]:
+    shape = _resized(x, scatter, x.shape[scatter] // group.world_size)
+    shape[gather] *= group.world_size
+    return shape
+
+
+def _reduce_dim0(stacked: torch.Tensor, op: str, out: torch.Tensor) -> None:
+    """Reduce ``stacked`` ([P, ...]) over dim 0 into ``out``."""
+    if stacked.dtype == torch.bool:
+        # torch has no bool sum or product that keeps the dtype; gloo's are OR and AND.
+        op = {"sum": "max", "product": "min"}.get(op, op)
+    if op in ("max", "min"):
+        (torch.amax if op == "max" else torch.amin)(stacked, dim=0, out=out)
+    else:
+        (torch.prod if op == "product" else torch.sum)(stacked, dim=0, dtype=out.dtype, out=out)
 
 
 class _Launched(NamedTuple):
@@ -192,7 +198,7 @@ class _Launched(NamedTuple):
 
     out: torch.Tensor
     work: Any
-    finish: Callable[[], None] | None = None
+    finish: Callable[[], object] | None = None
     buffers: tuple[torch.Tensor, ...] = ()
 
 
@@ -218,103 +224,94 @@ def _result(launched: _Launched, async_op: bool) -> torch.Tensor:
     return out
 
 
-def _divider(out: torch.Tensor, n: int) -> Callable[[], None]:
-    def divide() -> None:
-        out.div_(n)
-
-    return divide
+def _permuter(out: torch.Tensor, stacked: torch.Tensor, dim: int) -> Callable[[], object]:
+    """The finishing step that moves ``stacked``'s blocks (``[P, ...]``) to ``dim`` of ``out``."""
+    return lambda: _split(out, dim, stacked.shape[0]).copy_(stacked.movedim(0, dim))
 
 
-def _launch_all_reduce(group: Group, x: torch.Tensor, op: str) -> _Launched:
-    out = _local(x).clone(memory_format=torch.contiguous_format)
+def _divider(out: torch.Tensor, n: int, op: str) -> Callable[[], object] | None:
+    return (lambda: out.div_(n)) if op == "mean" else None
+
+
+def _all_reduce_into(group: Group, out: torch.Tensor, op: str) -> _Launched:
     work = dist.all_reduce(out, op=_OPS[op], group=group.device_group, async_op=True)
-    return _Launched(out, work, _divider(out, group.world_size) if op == "mean" else None)
+    return _Launched(out, work, _divider(out, group.world_size, op))
+
+
+def _broadcast_into(group: Group, out: torch.Tensor, src: int) -> _Launched:
+    work = dist.broadcast(out, group.ranks[src], group=group.device_group, async_op=True)
+    return _Launched(out, work)
 
 
 def _launch_all_gather(group: Group, x: torch.Tensor, dim: int) -> _Launched:
-    x = _local(x).contiguous()
-    p, n = group.world_size, x.shape[dim]
-    out = x.new_empty(_resized(x, dim, p * n))
-    if math.prod(x.shape[:dim]) == 1:
+    x, p = x.contiguous(), group.world_size
+    direct = math.prod(x.shape[:dim]) == 1
+    if not direct and dist.get_backend(group.device_group) != "gloo":
+        return _launch_all_gather_generic(group, x, dim)
+    out = x.new_empty(_resized(x, dim, p * x.shape[dim]))
+    if direct:
         # Every rank's block is contiguous in the result: gather straight into it.
         work = all_gather_into(out.view(-1), x.view(-1), group.device_group, async_op=True)
         return _Launched(out, work)
-    blocks = _split(out, dim, p)  # [..., P, n, ...]: rank r's block at index r of dim
-    if _is_gloo(group):
-        # gloo gathers into a buffer of its own and then copies each rank's block
-        # to its output tensor: handing it strided views of the result makes that
-        # copy the permute, so nothing else touches the data.
-        views = list(blocks.unbind(dim))
-        work = dist.all_gather(views, x, group=group.device_group, async_op=True)
-        return _Launched(out, work)
-    raw = x.new_empty((p * x.numel(),))  # rank-major
-    work = all_gather_into(raw, x.view(-1), group.device_group, async_op=True)
-
-    def finish() -> None:
-        blocks.copy_(raw.view(p, *x.shape).movedim(0, dim))  # the one permute
-
-    return _Launched(out, work, finish, (raw,))
+    # gloo gathers into a buffer of its own, then copies each rank's block to its
+    # output tensor: given strided views of the result (rank r's block at index r
+    # of dim), that copy is the permute, and nothing else touches the data.
+    views = list(_split(out, dim, p).unbind(dim))
+    return _Launched(out, dist.all_gather(views, x, group=group.device_group, async_op=True))
 
 
-def _launch_reduce_scatter(group: Group, x: torch.Tensor, dim: int, op: str) -> _Launched:
-    x = _local(x)
+def _launch_all_gather_generic(group: Group, x: torch.Tensor, dim: int) -> _Launched:
+    """Gather rank-major into a buffer, then the one permute into the result."""
+    x, p = x.contiguous(), group.world_size
+    out = x.new_empty(_resized(x, dim, p * x.shape[dim]))
+    raw = x.new_empty((p, *x.shape))  # rank-major
+    work = all_gather_into(raw.view(-1), x.view(-1), group.device_group, async_op=True)
+    return _Launched(out, work, _permuter(out, raw, dim), (raw,))
+
+
+def _launch_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> _Launched:
+    if dist.get_backend(group.device_group) != "gloo":
+        return _launch_reduce_scatter_generic(group, x, op, dim)
+    # gloo's reduce-scatter all-reduces the whole tensor and keeps a chunk; an
+    # all-to-all moves (P-1)/P of it once, then each rank reduces the P chunks
+    # it received: half the traffic, and the reduction is local.
+    send = _chunks(x, dim, group.world_size)  # [P, *chunk]: chunk r goes to rank r
+    recv, out = torch.empty_like(send), x.new_empty(send.shape[1:])
+    work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
+
+    def reduce_chunks() -> None:
+        _reduce_dim0(recv, op, out)
+        if op == "mean":
+            out.div_(group.world_size)
+
+    return _Launched(out, work, reduce_chunks, (recv,))
+
+
+def _launch_reduce_scatter_generic(group: Group, x: torch.Tensor, op: str, dim: int) -> _Launched:
+    """Torch's reduce-scatter of ``x``'s chunks, stacked rank-major."""
+    send = _chunks(x, dim, group.world_size)  # [P, *chunk]
+    out, pg = x.new_empty(send.shape[1:]), group.device_group
+    work = _compat.reduce_scatter_into(out.view(-1), send.view(-1), _OPS[op], pg, async_op=True)
+    return _Launched(out, work, _divider(out, group.world_size, op))
+
+
+# What other backends take where gloo has its own path; tests reach them through generic_path.
+_GENERIC: dict[str, Callable[..., _Launched]] = {
+    "all_gather": _launch_all_gather_generic,
+    "reduce_scatter": _launch_reduce_scatter_generic,
+}
+
+
+def _launch_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> _Launched:
     p = group.world_size
-    send = _split(x, dim, p).movedim(dim, 0).contiguous()  # [P, *chunk]; dim 0: no copy
-    out = x.new_empty(send.shape[1:])
-    if _is_gloo(group):
-        # gloo's reduce-scatter all-reduces the whole tensor and keeps a chunk;
-        # an all-to-all moves (P-1)/P of it once, then each rank reduces the P
-        # chunks it received: half the traffic, and the reduction is local.
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
-
-        def reduce_chunks() -> None:
-            _reduce_dim0(recv, op, out)
-            if op == "mean":
-                out.div_(p)
-
-        return _Launched(out, work, reduce_chunks, (recv,))
-    work = _compat.reduce_scatter_into(
-        out.view(-1), send.view(-1), _OPS[op], group.device_group, async_op=True
-    )
-    return _Launched(out, work, _divider(out, p) if op == "mean" else None)
-
-
-def _reduce_dim0(stacked: torch.Tensor, op: str, out: torch.Tensor) -> None:
-    """Reduce ``stacked`` ([P, ...]) over dim 0 into ``out``."""
-    if stacked.dtype == torch.bool:
-        # torch has no bool sum or product that keeps the dtype; gloo's are OR and AND.
-        op = {"sum": "max", "product": "min"}.get(op, op)
-    if op in ("sum", "mean"):
-        torch.sum(stacked, dim=0, dtype=out.dtype, out=out)
-    elif op == "max":
-        torch.amax(stacked, dim=0, out=out)
-    elif op == "min":
-        torch.amin(stacked, dim=0, out=out)
-    else:
-        torch.prod(stacked, dim=0, dtype=out.dtype, out=out)
-
-
-def _launch_all_to_all(
-    group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int
-) -> _Launched:
-    x = _local(x)
-    p = group.world_size
-    send = _split(x, scatter_dim, p).movedim(scatter_dim, 0)
-    send = send.contiguous()  # [P, *chunk]: chunk r goes to rank r
+    send = _chunks(x, scatter, p)  # [P, *chunk]: chunk r goes to rank r
     recv = torch.empty_like(send)  # [P, *chunk]: chunk r came from rank r
     work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
-    chunk = send.shape[1:]
-    shape = list(chunk)
-    shape[gather_dim] *= p
-    if gather_dim == 0:
+    shape = _exchanged(group, x, scatter, gather)
+    if gather == 0:
         return _Launched(recv.view(shape), work)  # rank-major already
     out = recv.new_empty(shape)
-
-    def finish() -> None:
-        _split(out, gather_dim, p).copy_(recv.movedim(0, gather_dim))
-
-    return _Launched(out, work, finish, (recv,))
+    return _Launched(out, work, _permuter(out, recv, gather), (recv,))
 
 
 # --------------------------------------------------------------------------- traced forms
@@ -322,8 +319,14 @@ def _launch_all_to_all(
 
 def _traced_all_reduce(group: Group, x: torch.Tensor, op: str) -> torch.Tensor:
     ops, name = _compat.functional_ops(), group.device_group.group_name
-    out = ops.wait_tensor(ops.all_reduce(x, _FUNCOL_OPS[op], name))
+    out = ops.wait_tensor(ops.all_reduce(x, "sum" if op == "mean" else op, name))
     return cast("torch.Tensor", out / group.world_size if op == "mean" else out)
+
+
+def _traced_broadcast(group: Group, x: torch.Tensor, src: int) -> torch.Tensor:
+    ops, name = _compat.functional_ops(), group.device_group.group_name
+    # The functional broadcast takes the pg's rank: pdist's group index.
+    return cast("torch.Tensor", ops.wait_tensor(ops.broadcast(x, src, name)))
 
 
 def _traced_all_gather(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -332,152 +335,172 @@ def _traced_all_gather(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:
     return raw if dim == 0 else torch.cat(raw.chunk(p), dim=dim)
 
 
-def _traced_reduce_scatter(group: Group, x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
+def _traced_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> torch.Tensor:
     ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
-    send = _split(x, dim, p).movedim(dim, 0).contiguous()  # [P, *chunk]
-    out = ops.wait_tensor(ops.reduce_scatter_tensor(send, _FUNCOL_OPS[op], p, name))  # [1, *chunk]
-    out = out.squeeze(0)
-    return cast("torch.Tensor", out / p if op == "mean" else out)
+    wire_op = "sum" if op == "mean" else op
+    out = ops.wait_tensor(ops.reduce_scatter_tensor(_chunks(x, dim, p), wire_op, p, name))
+    return cast("torch.Tensor", (out / p if op == "mean" else out).squeeze(0))  # [1, *chunk]
 
 
-def _traced_all_to_all(
-    group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int
-) -> torch.Tensor:
+def _traced_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
     ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
-    chunks = torch.stack(x.chunk(p, dim=scatter_dim))  # [P, *chunk]
-    out = ops.wait_tensor(ops.all_to_all_single(chunks, [1] * p, [1] * p, name))
-    return torch.cat(out.unbind(0), dim=gather_dim)
+    out = ops.wait_tensor(ops.all_to_all_single(_chunks(x, scatter, p), [1] * p, [1] * p, name))
+    out = out.movedim(0, gather).flatten(gather, gather + 1)  # a view for gather 0, as eagerly
+    return cast("torch.Tensor", out)
 
 
-# --------------------------------------------------------------------------- implementations
+# --------------------------------------------------------------------------- the table
 
 
-def _all_reduce_impl(
-    group: Group, x: torch.Tensor, op: str, async_op: bool = False
+class _Spec(NamedTuple):
+    """One collective; ``launch``, ``traced`` and ``shape`` take ``(group, x, *args)``.
+
+    ``check(group, x, *options)`` validates the public options and returns the
+    normalized ``args``; ``launch`` is the eager form (None: a local op, whose
+    traced form runs eagerly too); ``shape`` is the result's, for the
+    closed-group op; ``backward(*args)`` names the gradient's ``(spec, args, divide by
+    P)``, or is None where ``args`` are not differentiable.
+    """
+
+    check: Callable[..., tuple[Any, ...]]
+    launch: Callable[..., _Launched] | None
+    traced: Callable[..., torch.Tensor]
+    shape: Callable[..., list[int]]
+    backward: Callable[..., tuple[str, tuple[Any, ...], bool] | None]
+
+
+_SPECS: dict[str, _Spec] = {
+    "all_reduce": _Spec(
+        check=lambda g, x, op: (_check_op(x, op),),
+        launch=lambda g, x, op: _all_reduce_into(
+            g, x.clone(memory_format=torch.contiguous_format), op
+        ),
+        traced=_traced_all_reduce,
+        shape=lambda g, x, op: list(x.shape),
+        # The gradient of a mean is the mean of the gradients.
+        backward=lambda op: ("all_reduce", (op,), False) if op in _GRAD_OPS else None,
+    ),
+    "all_gather": _Spec(
+        check=lambda g, x, dim: (_norm_dim(x, dim),),
+        launch=_launch_all_gather,
+        traced=_traced_all_gather,
+        shape=lambda g, x, d: _resized(x, d, x.shape[d] * g.world_size),
+        backward=lambda d: ("reduce_scatter", ("sum", d), False),
+    ),
+    "reduce_scatter": _Spec(
+        check=lambda g, x, op, dim: (_check_op(x, op), _split_dim(g, x, dim, "reduce_scatter")),
+        launch=_launch_reduce_scatter,
+        traced=_traced_reduce_scatter,
+        shape=lambda g, x, op, d: _resized(x, d, x.shape[d] // g.world_size),
+        backward=lambda op, d: ("all_gather", (d,), op == "mean") if op in _GRAD_OPS else None,
+    ),
+    "all_to_all_4d": _Spec(
+        check=_check_all_to_all,
+        launch=_launch_all_to_all,
+        traced=_traced_all_to_all,
+        shape=_exchanged,
+        backward=lambda s, d: ("all_to_all_4d", (d, s), False),
+    ),
+    "shard": _Spec(
+        check=lambda g, x, dim, scale: (_split_dim(g, x, dim, "shard"), bool(scale)),
+        launch=None,
+        traced=lambda g, x, d, scale: x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous(),
+        shape=lambda g, x, d, scale: _resized(x, d, x.shape[d] // g.world_size),
+        backward=lambda d, scale: ("all_gather", (d,), scale),
+    ),
+}
+
+# --------------------------------------------------------------------------- the runners
+
+
+def _closed(group: Group, x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    return cast("torch.Tensor", torch.ops.pdist.closed_group(x.detach(), shape, _CLOSED_MESSAGE))
+
+
+def _forward(
+    spec: _Spec, g: Group, x: torch.Tensor, args: tuple[Any, ...], async_op: bool = False
 ) -> torch.Tensor:
-    if _compiling():
-        return _traced_all_reduce(group, x, op)
-    return _result(_launch_all_reduce(group, x, op), async_op)
+    if spec.launch is None or torch.compiler.is_compiling():
+        return spec.traced(g, x, *args)
+    return _result(spec.launch(g, _local(x), *args), async_op)
 
 
-def _all_gather_impl(
-    group: Group, x: torch.Tensor, dim: int, async_op: bool = False
+def _collective(
+    name: str, group: Group | DistContext, x: torch.Tensor, *options: Any, async_op: bool = False
 ) -> torch.Tensor:
-    if _compiling():
-        return _traced_all_gather(group, x, dim)
-    return _result(_launch_all_gather(group, x, dim), async_op)
+    """Run the collective ``name`` of the table on ``x`` with the public ``options``."""
+    spec, g = _SPECS[name], as_group(group)
+    args = spec.check(g, _check_tensor(x), *options)
+    if not isinstance(async_op, bool):
+        msg = f"async_op={async_op!r} must be True or False"
+        raise TypeError(msg)
+    if g.world_size == 1:
+        return x
+    if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
+        return _closed(g, x, spec.shape(g, x, *args))
+    if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
+        return cast("torch.Tensor", _Collective.apply(name, g, x, args, async_op))  # type: ignore[no-untyped-call]
+    return _forward(spec, g, x.detach() if x.requires_grad else x, args, async_op)
 
 
-def _reduce_scatter_impl(
-    group: Group, x: torch.Tensor, dim: int, op: str = "sum", async_op: bool = False
-) -> torch.Tensor:
-    """This rank's chunk (along ``dim``) of the reduction of ``x`` over the group."""
-    if _compiling():
-        return _traced_reduce_scatter(group, x, dim, op)
-    return _result(_launch_reduce_scatter(group, x, dim, op), async_op)
+class _Collective(torch.autograd.Function):
+    """A spec's forward; the gradient goes through the spec its ``backward`` names."""
 
+    @staticmethod
+    def forward(
+        ctx: Any, name: str, group: Group, x: torch.Tensor, args: tuple[Any, ...], async_op: bool
+    ) -> torch.Tensor:
+        ctx.group, ctx.grad = group, _SPECS[name].backward(*args)
+        return _forward(_SPECS[name], group, x, args, async_op)
 
-def _all_to_all_impl(
-    group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False
-) -> torch.Tensor:
-    if _compiling():
-        return _traced_all_to_all(group, x, scatter_dim, gather_dim)
-    return _result(_launch_all_to_all(group, x, scatter_dim, gather_dim), async_op)
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, None, None]:
+        name, args, divide = ctx.grad
+        out = _forward(_SPECS[name], ctx.group, grad, args)
+        return None, None, out / ctx.group.world_size if divide else out, None, None
 
 
 def _in_place(
     group: Group,
     x: torch.Tensor,
-    traced: Callable[[], torch.Tensor],
-    run: Callable[[torch.Tensor], None],
+    launch: Callable[..., _Launched],
+    traced: Callable[..., torch.Tensor],
+    *args: Any,
 ) -> torch.Tensor:
-    """Run an in-place collective on ``x``; returns ``x``.
+    """Overwrite ``x`` with a collective's result; ``launch`` writes into the tensor it gets.
 
-    Eager: ``run`` on ``x`` itself, or on a contiguous copy that is then
-    written back. While tracing: ``x`` overwritten with ``traced()`` (or with
-    the op that raises when the graph runs, on a closed group).
+    Eager: on ``x``, or on a contiguous copy then written back. Traced: ``x``
+    overwritten with the traced form.
     """
-    if _compiling():
-        result = _closed_result(group, x, list(x.shape))
-        return x.copy_(traced() if result is None else result)
+    if group.world_size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return x.copy_(
+            _closed(group, x, list(x.shape)) if group.is_closed else traced(group, x, *args)
+        )
     buf = _local(x)
     target = buf if buf.is_contiguous() else buf.contiguous()
     with torch.no_grad():
-        run(target)
+        _result(launch(group, target, *args), async_op=False)
         if target is not buf:
             buf.copy_(target)
     return x
 
 
-# --------------------------------------------------------------------------- autograd
+def generic_path(
+    name: str, group: Group | DistContext, x: torch.Tensor, *options: Any
+) -> torch.Tensor:
+    """The test seam: ``name``'s backend-independent path, run on any group (gloo too).
 
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, group: Group, x: torch.Tensor, op: str, async_op: bool) -> torch.Tensor:
-        ctx.group, ctx.op = group, op
-        return _all_reduce_impl(group, x, op, async_op)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
-        return None, _all_reduce_impl(ctx.group, grad, ctx.op), None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, group: Group, x: torch.Tensor, dim: int, async_op: bool) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather_impl(group, x, dim, async_op)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
-        return None, _reduce_scatter_impl(ctx.group, grad, ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, group: Group, x: torch.Tensor, dim: int, op: str, async_op: bool
-    ) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.op = group, dim, op
-        return _reduce_scatter_impl(group, x, dim, op, async_op)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None, None]:
-        full = _all_gather_impl(ctx.group, grad, ctx.dim)
-        if ctx.op == "mean":
-            full = full / ctx.group.world_size
-        return None, full, None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool
-    ) -> torch.Tensor:
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return _all_to_all_impl(group, x, scatter_dim, gather_dim, async_op)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None, None]:
-        scatter_dim, gather_dim = ctx.dims
-        return None, _all_to_all_impl(ctx.group, grad, gather_dim, scatter_dim), None, None, None
-
-
-class _Shard(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, group: Group, x: torch.Tensor, dim: int, scale_grad: bool
-    ) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.scale = group, dim, scale_grad
-        return x.chunk(group.world_size, dim=dim)[group.rank_in_group].contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
-        full = _all_gather_impl(ctx.group, grad, ctx.dim)
-        if ctx.scale:
-            full = full / ctx.group.world_size
-        return None, full, None, None
+    Production takes these paths off gloo only; tests call this on gloo so that
+    their arithmetic is covered on every run. ``name`` is ``"all_gather"``
+    (options: ``dim``) or ``"reduce_scatter"`` (options: ``op, dim``), checked
+    as the public functions check them. Not differentiable.
+    """
+    launch = _GENERIC[name]
+    spec, g = _SPECS[name], as_group(group)
+    args = spec.check(g, _check_tensor(x), *options)
+    return _result(launch(g, _local(x).detach(), *args), async_op=False)
 
 
 # --------------------------------------------------------------------------- public functions
@@ -488,75 +511,37 @@ def all_reduce(
 ) -> torch.Tensor:
     """Reduce ``x`` over the group, out of place; every rank gets the result.
 
-    ``op`` is ``"sum"`` (the default), ``"mean"``, ``"max"``, ``"min"`` or
-    ``"product"`` (``"mean"`` sums and divides, so it is right on gloo too).
-    ``"sum"`` and ``"mean"`` are differentiable: the backward applies the same
-    reduction to the gradient. Note that :func:`reduce`'s default is ``"mean"``.
-
-    The result is new memory (``x`` is cloned, then reduced in place); the
-    in-place :func:`all_reduce_` saves the clone where ``x`` may be overwritten.
-
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
     Args:
         group: The group (a ``DistContext`` means its ``world``).
-        x: This rank's tensor; left unchanged.
-        op: The reduction.
-        async_op: Return at once a tensor that waits for the collective when it
-            is first used (torch's ``AsyncCollectiveTensor``), so that
-            communication overlaps the compute in between. Use it before the
-            ``distributed()`` block exits. Under ``torch.compile`` the wait is
-            left to the compiler.
+        x: This rank's tensor; left unchanged (:func:`all_reduce_` saves the clone).
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``; the
+            first two are differentiable. Mind that :func:`reduce` defaults to ``"mean"``.
+        async_op: Return at once a tensor that waits for the collective when
+            first used (torch's ``AsyncCollectiveTensor``), so that the compute
+            in between overlaps it; use it inside the ``distributed()`` block.
 
     Returns:
         A new tensor; on a one-rank group, ``x``.
     """
-    g = as_group(group)
-    _check_tensor(x)
-    _check_op(op, tuple(_OPS))
-    _check_mean_dtype(x, op)
-    _check_bool(async_op, "async_op")
-    if g.world_size == 1:
-        return x
-    if _compiling() and (closed := _closed_result(g, x, list(x.shape))) is not None:
-        return closed
-    if op in _DIFFERENTIABLE_OPS and _needs_grad(x):
-        return _AllReduce.apply(g, x, op, async_op)  # type: ignore[no-untyped-call,no-any-return]
-    return _all_reduce_impl(g, x.detach() if x.requires_grad else x, op, async_op)
+    return _collective("all_reduce", group, x, op, async_op=async_op)
 
 
 def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over the group in place; every rank's ``x`` holds the result.
+    """Reduce ``x`` over the group in place, without a clone; returns ``x`` on every rank.
 
-    The in-place form of :func:`all_reduce` (same ``op`` values, same default
-    ``"sum"``), for hot loops that may overwrite ``x``: no clone, no new memory.
-    A non-contiguous ``x`` is reduced through a contiguous copy, then written back.
-
-    Not differentiable: with gradients enabled it refuses a tensor that
-    requires grad (use :func:`all_reduce`).
+    Takes :func:`all_reduce`'s ``op``; a non-contiguous ``x`` goes through a copy.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
-    Returns:
-        ``x`` (untouched on a one-rank group).
-
     Raises:
-        ValueError: ``x`` requires grad while gradients are enabled.
+        ValueError: ``x`` requires grad while gradients are enabled (use :func:`all_reduce`).
     """
     g = as_group(group)
-    _check_tensor(x)
-    _check_op(op, tuple(_OPS))
-    _check_mean_dtype(x, op)
+    _check_op(_check_tensor(x), op)
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
-    if g.world_size == 1:
-        return x
-
-    def reduce(target: torch.Tensor) -> None:
-        dist.all_reduce(target, op=_OPS[op], group=g.device_group)
-        if op == "mean":
-            target.div_(g.world_size)
-
-    return _in_place(g, x, lambda: _traced_all_reduce(g, x, op), reduce)
+    return _in_place(g, x, _all_reduce_into, _traced_all_reduce, op)
 
 
 def all_gather(
@@ -564,45 +549,23 @@ def all_gather(
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group order; every rank gets it.
 
-    Differentiable: the backward reduce-scatters the gradient. Along ``dim=0``
-    the ranks' data lands in place; along any other dim, the one permute that
-    layout needs is the only pass over the data (on gloo it is fused into
-    gloo's own copy out of its receive buffer).
+    Differentiable (the gradient is reduce-scattered); ``async_op`` as in :func:`all_reduce`.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
-    Args:
-        group: The group (a ``DistContext`` means its ``world``).
-        x: This rank's part.
-        dim: The dimension to concatenate along.
-        async_op: Return at once a tensor that waits when first used (see
-            :func:`all_reduce`).
-
     Returns:
-        A tensor whose ``dim`` is ``group.world_size`` times ``x``'s; on a
-        one-rank group, ``x``.
+        ``x``'s shape with ``dim`` ``world_size`` times larger; on a one-rank group, ``x``.
     """
-    g = as_group(group)
-    _check_tensor(x)
-    d = _norm_dim(x, dim)
-    _check_bool(async_op, "async_op")
-    if g.world_size == 1:
-        return x
-    shape = _resized(x, d, x.shape[d] * g.world_size)
-    if _compiling() and (closed := _closed_result(g, x, shape)) is not None:
-        return closed
-    if _needs_grad(x):
-        return _AllGather.apply(g, x, d, async_op)  # type: ignore[no-untyped-call,no-any-return]
-    return _all_gather_impl(g, x.detach() if x.requires_grad else x, d, async_op)
+    return _collective("all_gather", group, x, dim, async_op=async_op)
 
 
 def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``x`` as a list in group order (not differentiable).
 
-    Returns a *list*, one tensor per rank; :func:`all_gather` returns their
-    concatenation instead.
-
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+
+    Returns:
+        A *list*, one tensor per rank (:func:`all_gather` returns their concatenation).
     """
     g = as_group(group)
     _check_tensor(x)
@@ -622,51 +585,22 @@ def reduce_scatter(
     op: str = "sum",
     async_op: bool = False,
 ) -> torch.Tensor:
-    """Reduce ``x`` over the group and give each rank its chunk along ``dim``.
+    """Reduce ``x`` over the group; rank ``r`` gets chunk ``r`` along ``dim``.
 
-    Rank ``r`` (in group order) gets chunk ``r`` of ``x.chunk(world_size,
-    dim)`` reduced over the ranks: the inverse of :func:`all_gather`, as in
-    Megatron-style sequence parallelism. ``op`` takes the values of
-    :func:`all_reduce`; ``"sum"`` and ``"mean"`` are differentiable (the
-    backward all-gathers the gradient, divided by the group size for ``"mean"``).
-
-    On NCCL it is torch's reduce-scatter. gloo's reduce-scatter all-reduces the
-    whole tensor; pdist sends each rank its chunks with one all-to-all instead
-    and reduces them locally, which moves half the bytes.
+    The inverse of :func:`all_gather` (Megatron-style sequence parallelism).
+    ``op`` and ``async_op`` as in :func:`all_reduce`; with ``"sum"`` and
+    ``"mean"`` the gradient is all-gathered (and divided by the group size).
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
-    Args:
-        group: The group (a ``DistContext`` means its ``world``).
-        x: This rank's full-size tensor; left unchanged.
-        dim: The dimension to scatter along; the group size must divide it.
-        op: The reduction.
-        async_op: Return at once a tensor that waits when first used (see
-            :func:`all_reduce`).
-
     Returns:
-        A new tensor whose ``dim`` is ``x``'s divided by the group size; on a
-        one-rank group, ``x``.
+        Chunk ``r`` of ``x.chunk(world_size, dim)``, reduced over the ranks; on
+        a one-rank group, ``x``.
 
     Raises:
-        ValueError: ``dim`` is out of range, the group size does not divide
-            it, or ``op`` is unknown.
+        ValueError: The group size does not divide ``x.shape[dim]``.
     """
-    g = as_group(group)
-    _check_tensor(x)
-    _check_op(op, tuple(_OPS))
-    _check_mean_dtype(x, op)
-    d = _norm_dim(x, dim)
-    _check_divisible(x, d, g, "reduce_scatter")
-    _check_bool(async_op, "async_op")
-    if g.world_size == 1:
-        return x
-    shape = _resized(x, d, x.shape[d] // g.world_size)
-    if _compiling() and (closed := _closed_result(g, x, shape)) is not None:
-        return closed
-    if op in _DIFFERENTIABLE_OPS and _needs_grad(x):
-        return _ReduceScatter.apply(g, x, d, op, async_op)  # type: ignore[no-untyped-call,no-any-return]
-    return _reduce_scatter_impl(g, x.detach() if x.requires_grad else x, d, op, async_op)
+    return _collective("reduce_scatter", group, x, op, dim, async_op=async_op)
 
 
 def gather(
@@ -686,12 +620,9 @@ def gather(
     if g.world_size == 1:
         return x
     x = _local(x).detach().contiguous()
-    if g.rank_in_group != dst:
-        dist.gather(x, None, dst=dst_global, group=g.device_group)
-        return None
-    outs = [torch.empty_like(x) for _ in g.ranks]
+    outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
     dist.gather(x, outs, dst=dst_global, group=g.device_group)
-    return torch.cat(outs, dim=d)
+    return None if outs is None else torch.cat(outs, dim=d)
 
 
 def reduce(
@@ -699,9 +630,8 @@ def reduce(
 ) -> torch.Tensor | None:
     """Reduce ``x`` (``"sum"`` or ``"mean"``) onto group index ``dst``, out of place.
 
-    Mind the default: ``op="mean"`` here, while :func:`all_reduce` and
-    :func:`reduce_scatter` default to ``"sum"``. Pass ``op`` explicitly when
-    porting code that reduces with torch's default (a sum).
+    Mind the default: ``"mean"`` here, while :func:`all_reduce`,
+    :func:`reduce_scatter` and torch's ``reduce`` sum.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
@@ -709,10 +639,8 @@ def reduce(
         The reduction on ``dst``, None on the other ranks.
     """
     g = as_group(group)
-    _check_tensor(x)
-    _check_op(op, ("sum", "mean"))
+    _check_op(_check_tensor(x), op, ("sum", "mean"))
     dst_global = g.global_rank(dst, name="dst")
-    _check_mean_dtype(x, op)
     if g.world_size == 1:
         return x
     out = _local(x).detach().clone(memory_format=torch.contiguous_format)
@@ -722,35 +650,13 @@ def reduce(
     return out.div_(g.world_size) if op == "mean" else out
 
 
-def _broadcast_into(group: Group, x: torch.Tensor, src: int) -> torch.Tensor:
-    src_global = group.global_rank(src)
-    if group.world_size == 1:
-        return x
-
-    def traced() -> torch.Tensor:
-        ops = _compat.functional_ops()
-        # The functional broadcast takes the pg's rank: pdist's group index.
-        out = ops.wait_tensor(ops.broadcast(x, src, group.device_group.group_name))
-        return cast("torch.Tensor", out)
-
-    def run(target: torch.Tensor) -> None:
-        dist.broadcast(target, src=src_global, group=group.device_group)
-
-    return _in_place(group, x, traced, run)
-
-
 def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Broadcast ``x`` from group index ``src`` into every rank's ``x``, in place.
-
-    ``x`` must be contiguous on the receivers (it is written in place).
-    :func:`broadcast_` is the same collective, spelled in torch's in-place
-    convention: it also accepts non-contiguous tensors and refuses ones that
-    require grad.
+    """Fill every rank's ``x`` with group index ``src``'s, in place; returns ``x``.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
-    Returns:
-        ``x``.
+    Raises:
+        ValueError: ``x`` is not contiguous (:func:`broadcast_` takes any layout).
     """
     g = as_group(group)
     _check_tensor(x)
@@ -758,20 +664,13 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
     if g.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
         raise ValueError(msg)
-    return _broadcast_into(g, x, src)
+    return _in_place(g, x, _broadcast_into, _traced_broadcast, src)
 
 
 def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> torch.Tensor:
-    """Overwrite every rank's ``x`` with group index ``src``'s, in place.
-
-    A non-contiguous ``x`` is received through a contiguous copy, then
-    written back. Not differentiable: with gradients enabled it refuses a
-    tensor that requires grad (broadcast a detached tensor instead).
+    """Fill every rank's ``x`` with group index ``src``'s, in place (any layout); returns ``x``.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
-
-    Returns:
-        ``x`` (untouched on a one-rank group).
 
     Raises:
         ValueError: ``x`` requires grad while gradients are enabled.
@@ -780,7 +679,7 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
     _check_tensor(x)
     g.global_rank(src)
     _refuse_grad(g, x, "broadcast_", "broadcast")
-    return _broadcast_into(g, x, src)
+    return _in_place(g, x, _broadcast_into, _traced_broadcast, src)
 
 
 def all_to_all_4d(
@@ -793,74 +692,41 @@ def all_to_all_4d(
 ) -> torch.Tensor:
     """The sequence-parallel (Ulysses) exchange of a 4-D tensor.
 
-    With the defaults, ``[B, S/P, H, D] -> [B, S, H/P, D]``: each rank gives
-    away head chunks and receives sequence chunks; ``scatter_dim=1,
-    gather_dim=2`` is the way back. Differentiable: the backward is the
-    inverse exchange.
+    Each rank splits ``scatter_dim`` among the ranks and concatenates what it
+    receives along ``gather_dim``: with the defaults, ``[B, S/P, H, D] -> [B,
+    S, H/P, D]``; ``scatter_dim=1, gather_dim=2`` is the way back.
+    Differentiable (the inverse exchange); ``async_op`` as in :func:`all_reduce`.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
-
-    Args:
-        group: The group (a ``DistContext`` means its ``world``).
-        x: This rank's 4-D tensor.
-        scatter_dim: The dimension split among the ranks.
-        gather_dim: The dimension the received chunks are concatenated along.
-        async_op: Return at once a tensor that waits when first used (see
-            :func:`all_reduce`); the final re-layout runs when the data arrives.
 
     Raises:
         ValueError: ``x`` is not 4-D, the dims are out of range or equal, or
             the group size does not divide ``x.shape[scatter_dim]``.
     """
-    g = as_group(group)
-    _check_tensor(x)
-    if x.dim() != 4:
-        msg = f"all_to_all_4d needs a 4-D tensor, got shape {tuple(x.shape)}"
-        raise ValueError(msg)
-    s = _norm_dim(x, scatter_dim, "scatter_dim")
-    d = _norm_dim(x, gather_dim, "gather_dim")
-    if s == d:
-        msg = f"scatter_dim={scatter_dim} and gather_dim={gather_dim} must differ"
-        raise ValueError(msg)
-    _check_divisible(x, s, g, "all_to_all_4d scatter_dim")
-    _check_bool(async_op, "async_op")
-    if g.world_size == 1:
-        return x
-    shape = _resized(x, s, x.shape[s] // g.world_size)
-    shape[d] *= g.world_size
-    if _compiling() and (closed := _closed_result(g, x, shape)) is not None:
-        return closed
-    if _needs_grad(x):
-        return _AllToAll.apply(g, x, s, d, async_op)  # type: ignore[no-untyped-call,no-any-return]
-    return _all_to_all_impl(g, x.detach() if x.requires_grad else x, s, d, async_op)
+    return _collective("all_to_all_4d", group, x, scatter_dim, gather_dim, async_op=async_op)
 
 
 def shard(
     group: Group | DistContext, x: torch.Tensor, dim: int = -1, *, scale_grad: bool
 ) -> torch.Tensor:
-    """This rank's slice of ``x`` along ``dim`` (``x`` is the same on every rank).
+    """This rank's chunk of ``x`` along ``dim`` (``x`` is the same on every rank).
 
-    Differentiable: the backward all-gathers the gradient, divided by the
-    group size when ``scale_grad`` (for a loss averaged over the group).
+    No communication forward; the backward all-gathers the gradient (every
+    rank must run it), divided by the group size when ``scale_grad``.
 
     Raises:
-        ValueError: ``dim`` is out of range or the group size does not divide it.
+        ValueError: The group size does not divide ``x.shape[dim]``.
     """
-    g = as_group(group)
-    _check_tensor(x)
-    d = _norm_dim(x, dim)
-    _check_divisible(x, d, g, "shard")
-    if g.world_size == 1:
-        return x
-    if _needs_grad(x):
-        return _Shard.apply(g, x, d, bool(scale_grad))  # type: ignore[no-untyped-call,no-any-return]
-    return x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous()
+    return _collective("shard", group, x, dim, scale_grad)
 
 
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
-    .. note:: The destination must call :func:`recv` with the same shape and dtype.
+    .. note:: The destination must call :func:`recv` with the same shape and
+        dtype. Point-to-point tensor calls cannot tell the peer about a local
+        argument error: if that ``recv`` fails its checks, this call waits for
+        the group timeout (the object functions carry a failure to the peer).
     """
     g = as_group(group)
     _check_tensor(x)
@@ -870,17 +736,37 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
 
 def recv(
     group: Group | DistContext,
-    shape: tuple[int, ...] | torch.Size,
+    shape: int | tuple[int, ...] | list[int] | torch.Size,
     dtype: torch.dtype,
     src: int | None = None,
 ) -> torch.Tensor:
-    """Receive a tensor of ``shape``/``dtype`` from group index ``src`` (default: previous rank).
+    """Receive a new tensor from group index ``src`` (default: the previous rank).
+
+    ``shape`` is a tensor shape or an int size, as ``torch.empty`` takes.
+    Every argument is checked before anything is received.
+
+    .. note:: The source must call :func:`send` with a tensor of this shape
+        and dtype. Point-to-point tensor calls cannot tell the peer about a
+        local argument error: if this call fails its checks, the ``send``
+        waits for the group timeout (the object functions carry a failure to the peer).
 
     Returns:
-        A new tensor on the group's device.
+        The tensor, on the group's device.
+
+    Raises:
+        TypeError: ``shape`` is not an int or a sequence of non-negative ints,
+            or ``dtype`` is not a ``torch.dtype``.
+        ValueError: ``src`` is outside the group, or the group has one rank.
     """
     g = as_group(group)
+    dims = (shape,) if isinstance(shape, int) else shape
+    if not isinstance(dims, (tuple, list)) or not all(type(n) is int and n >= 0 for n in dims):
+        msg = f"shape={shape!r} must be an int or a sequence of non-negative ints"
+        raise TypeError(msg)
+    if not isinstance(dtype, torch.dtype):
+        msg = f"dtype={dtype!r} must be a torch.dtype, such as torch.float32"
+        raise TypeError(msg)
     peer = g.ranks[g.peer_index(src, g.prev_rank, "src")]
-    out = torch.empty(tuple(shape), dtype=dtype, device=g.device)
+    out = torch.empty(tuple(dims), dtype=dtype, device=g.device)
     dist.recv(out, src=peer, group=g.device_group)
     return out

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import pdist
+from pdist._collectives import generic_path  # the documented seam: NCCL's paths, on gloo
 from pdist.testing import spawn, world_sizes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -204,6 +207,29 @@ def test_reduce_scatter_gradients(ctx):
     torch.testing.assert_close(x.grad, torch.cat([w_.t() for w_ in ws], dim=-1))
 
 
+@world_sizes(2, 3)
+def test_generic_paths_match_reference(ctx):
+    """The all-gather and reduce-scatter that NCCL takes equal their references on gloo too."""
+    w, r = ctx.world_size, ctx.rank
+    for dtype in DTYPES:
+        xs = _inputs(w, (2 * w, 5, 2 * w), dtype, seed=60)
+        for transpose in (False, True):
+            mine = xs[r].transpose(0, 2) if transpose else xs[r]
+            every = [x.transpose(0, 2) for x in xs] if transpose else xs
+            for dim in (0, 1, -1):
+                got = generic_path("all_gather", ctx, mine, dim)
+                assert torch.equal(got, torch.cat(every, dim=dim)), (dtype, transpose, dim)
+            # The op is torch's (gloo's reduce-scatter ignores it on torch 2.6); the layout
+            # of the chunks and the mean's division are pdist's.
+            for op in ("sum", "mean") if dtype.is_floating_point else ("sum",):
+                full = _reference(op, torch.stack(every), dtype)
+                for dim in (0, -1):
+                    got = generic_path("reduce_scatter", ctx, mine, op, dim)
+                    _assert_matches(got, full.chunk(w, dim=dim)[r], (op, dtype, transpose, dim))
+    with pytest.raises(ValueError, match=rf"size 5, which the group size {w} does not divide"):
+        generic_path("reduce_scatter", ctx, xs[r], "sum", 1)
+
+
 ASYNC_CASES = {
     "all_reduce": lambda g, x, x4, a: pdist.all_reduce(g, x, op="mean", async_op=a),
     "all_gather 0": lambda g, x, x4, a: pdist.all_gather(g, x, dim=0, async_op=a),
@@ -327,6 +353,42 @@ def test_compiles_without_graph_breaks(ctx):
         torch._dynamo.reset()
 
 
+@world_sizes(2, timeout=300)  # importing inductor alone takes a minute on a loaded machine
+def test_inductor_waits_once_per_collective(ctx):
+    """In inductor's generated code, each traced collective is followed by exactly one wait."""
+    from torch._inductor.utils import run_and_get_code
+
+    def step(x):
+        a = pdist.all_to_all_4d(ctx.world, x, scatter_dim=2, gather_dim=0)  # [2, 1, 1, 4]
+        b = pdist.all_reduce(ctx.world, a)
+        c = pdist.all_gather(ctx.world, b, dim=0)  # [4, 1, 1, 4]
+        return pdist.reduce_scatter(ctx.world, c, dim=0)  # [2, 1, 1, 4]
+
+    x = torch.arange(8.0).reshape(1, 1, 2, 4) + ctx.rank
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    # Along these dims every re-layout is a view: no C++ kernel to compile, which would
+    # take most of the time; no cache, so that the code is generated afresh.
+    options = {"fx_graph_cache": False, "compile_threads": 1}
+    try:
+        with torch._inductor.config.patch(options):
+            out, codes = run_and_get_code(compiled, x)
+        assert torch.equal(out, step(x))
+    finally:
+        del compiled
+        torch._dynamo.reset()
+    lines = [line for code in codes for line in code.splitlines() if "#" not in line]
+    calls = re.findall(r"torch\.ops\._c10d_functional\.(\w+)\.default\(", "\n".join(lines))
+    print(calls)
+    assert calls[1::2] == ["wait_tensor"] * 4, calls
+    expected = [
+        "all_to_all_single",
+        "all_reduce",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+    ]
+    assert [c.rstrip("_") for c in calls[0::2]] == expected, calls
+
+
 @world_sizes(3)
 def test_compiled_in_place_collectives_on_a_subgroup(ctx):
     """Compiled broadcast_/all_reduce_ on ranks (1, 2) use group-relative src like eager ones."""
@@ -370,6 +432,41 @@ def test_compiled_function_after_exit_raises_pdist_error():
     for message in spawn(_compiled_call_after_exit, 2, timeout=120):
         assert message.startswith("this pdist context is closed"), message
         assert "torch.compile" in message
+
+
+@world_sizes(2, 3)
+def test_send_recv_take_a_shape_or_an_int_size(ctx):
+    """recv takes a shape or an int size (as vLLM's GroupCoordinator.recv does), around a ring."""
+    prev = (ctx.rank - 1) % ctx.world_size
+    for shape, expected in ((6, (6,)), ((2, 3), (2, 3)), ([3, 2], (3, 2)), (torch.Size([6]), (6,))):
+        mine = torch.arange(6.0).reshape(expected) + 10 * ctx.rank
+        if ctx.rank == 0:  # rank 0 starts the ring; the others pass it on
+            pdist.send(ctx, mine)
+        got = pdist.recv(ctx, shape, dtype=torch.float32)
+        if ctx.rank != 0:
+            pdist.send(ctx, mine)
+        assert torch.equal(got, torch.arange(6.0).reshape(expected) + 10 * prev), shape
+
+
+@world_sizes(2)
+def test_recv_checks_every_argument_before_receiving(ctx):
+    """A bad shape, dtype or src raises on the calling rank before anything is received."""
+    for shape, match in (
+        ("64", r"shape='64' must be an int or a sequence of non-negative ints"),
+        ((2, 2.0), r"shape=\(2, 2.0\) must be an int"),
+        ((2, -1), r"shape=\(2, -1\)"),
+        (True, r"shape=True"),
+        (None, r"shape=None"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            pdist.recv(ctx, shape, torch.float32)
+    with pytest.raises(TypeError, match=r"dtype='float32' must be a torch.dtype"):
+        pdist.recv(ctx, 4, "float32")
+    with pytest.raises(ValueError, match=r"src=2 is outside group 'world' of size 2"):
+        pdist.recv(ctx, 4, torch.float32, src=2)
+    # Checked in order, and none of them waited for a peer.
+    with pytest.raises(TypeError, match="shape="):
+        pdist.recv(ctx, "64", "float32", src=7)
 
 
 def test_options_after_the_tensor_are_keyword_only():

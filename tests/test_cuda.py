@@ -101,3 +101,54 @@ def test_l2_fetch_granularity_is_set_and_restored():
     [(before, inside, after)] = spawn(_l2_granularity, 1)
     assert inside == 128
     assert after == before
+
+
+def _nccl_paths() -> list[object]:
+    """all_gather off dim 0 and reduce_scatter on NCCL (pdist's generic paths), async too."""
+    from pdist._collectives import generic_path
+
+    with pdist.distributed() as ctx:
+        w, r, dev = ctx.world_size, ctx.rank, ctx.device
+        xs = [torch.arange(24.0, device=dev).reshape(2, 3, 4) * (k + 1) for k in range(w)]
+        out: list[object] = []
+        for dim in (1, -1):  # leading dims > 1: the gather-then-permute path
+            want = torch.cat(xs, dim=dim)
+            out.append(torch.equal(pdist.all_gather(ctx, xs[r], dim=dim), want))
+            out.append(torch.equal(pdist.all_gather(ctx, xs[r], dim=dim, async_op=True), want))
+            out.append(torch.equal(generic_path("all_gather", ctx, xs[r], dim), want))
+        ys = [torch.arange(8.0 * w * w, device=dev).reshape(2 * w, 4 * w) + k for k in range(w)]
+        for op, reduced in (("sum", sum(ys)), ("mean", sum(ys) / w), ("max", ys[-1])):
+            for dim in (0, -1):
+                want = reduced.chunk(w, dim=dim)[r]
+                got = pdist.reduce_scatter(ctx, ys[r], dim=dim, op=op)
+                out.append(torch.allclose(got, want))
+                got = pdist.reduce_scatter(ctx, ys[r].t().t(), dim=dim, op=op, async_op=True)
+                out.append(torch.allclose(got, want))
+        # Gradients through both paths: all_gather's backward is reduce_scatter.
+        x = xs[r].clone().requires_grad_(True)
+        pdist.all_gather(ctx, x, dim=-1).sum().backward()
+        out.append(torch.equal(x.grad, torch.full_like(x, float(w))))
+        return out
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+def test_nccl_all_gather_off_dim0_and_reduce_scatter():
+    """all_gather along dim=-1 and reduce_scatter equal their references on NCCL."""
+    for rank, out in enumerate(spawn(_nccl_paths, 2, timeout=300)):
+        assert out == [True] * len(out), (rank, out)
+
+
+def _generic_on_one_gpu() -> list[bool]:
+    from pdist._collectives import generic_path
+
+    with pdist.distributed() as ctx:
+        x = torch.arange(12.0, device=ctx.device).reshape(3, 4)
+        return [
+            torch.equal(generic_path("all_gather", ctx, x, -1), x),
+            torch.equal(generic_path("reduce_scatter", ctx, x, "mean", 0), x),
+        ]
+
+
+def test_nccl_generic_paths_on_one_rank():
+    """The generic paths' NCCL calls run on a one-rank world (the public calls skip them)."""
+    assert spawn(_generic_on_one_gpu, 1, timeout=300) == [[True, True]]
