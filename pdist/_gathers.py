@@ -29,6 +29,7 @@ from ._payload import (
     bucket_count,
     decode,
     encode,
+    materialize,
     receive_buffers,
     tensors_of,
     transport_device,
@@ -69,7 +70,7 @@ def _alone(g: Group, encoded: Encoded | None, error: BaseException | None) -> li
     buckets = receive_buffers(decoded, g.device)
     for i, flat in enumerate(buckets):
         encoded.fills[i].pack(flat)
-    return [loads(decoded.skeleton, tensors_of(decoded, buckets, g.device), decoded.storage)]
+    return [materialize(decoded, buckets, g.device)]
 
 
 def _sizes(encoded: Encoded | Decoded | None) -> list[int]:

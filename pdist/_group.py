@@ -268,8 +268,8 @@ class DistContext:
         tp: Tensor-parallel group (adjacent ranks).
         sp: Sequence-parallel group.
         dp: Data-parallel group.
-        dp_sp: The ranks sharing this rank's tp index: the group gradients are
-            averaged over (data and sequence parallel together); ``dp`` when ``sp == 1``.
+        dp_sp: The ranks sharing this rank's tp index, over which gradients are
+            averaged (``dp`` when ``sp == 1``).
     """
 
     rank: int

@@ -17,20 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _agree, _wire
+from . import _agree, _payload, _wire
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
-from ._payload import (
-    Bucket,
-    Fill,
-    bucket_count,
-    decode,
-    encode,
-    place,
-    receive_buffers,
-    staging,
-    tensors_of,
-)
 from ._serialize import Safe, loads, safe_or_error
 
 __all__ = [
@@ -92,12 +81,12 @@ def _broadcast(
         return _broadcast_out(group, obj, src, header, error, min_tensor_bytes, what)
     body = header(group, None, src, what=what)
     source = f"rank {group.ranks[src]} (the source of {what})"
-    count = bucket_count(body, source=source)
+    count = _payload.bucket_count(body, source=source)
     failure, decoded, buffers = error, None, []
     if failure is None:
         try:
-            decoded = decode(body, source=source)
-            buffers = receive_buffers(decoded, group.device)
+            decoded = _payload.decode(body, source=source)
+            buffers = _payload.receive_buffers(decoded, group.device)
         except Exception as exc:
             failure = exc
     _agree.settle(group, failure, together=count > 0, what=what)
@@ -107,7 +96,7 @@ def _broadcast(
     # leaf's __setstate__ may read its tensors. A late status says whether every bucket packed.
     late, tensors = None, []
     try:
-        tensors = tensors_of(decoded, buffers, group.device)
+        tensors = _payload.tensors_of(decoded, buffers, group.device)
     except Exception as exc:
         late = exc
     for work in works:
@@ -117,7 +106,10 @@ def _broadcast(
 
 
 def _broadcasts(
-    group: Group, src: int, buckets: Sequence[Bucket | Fill], data: Sequence[torch.Tensor]
+    group: Group,
+    src: int,
+    buckets: Sequence[_payload.Bucket | _payload.Fill],
+    data: Sequence[torch.Tensor],
 ) -> list[Any]:
     """One asynchronous broadcast per bucket, each over its transport."""
     return [
@@ -139,7 +131,7 @@ def _broadcast_out(
     try:
         if error is not None:
             raise error
-        encoded = encode(
+        encoded = _payload.encode(
             obj, group.device, min_tensor_bytes=min_tensor_bytes, bucket_bytes=DEFAULT_BUCKET_BYTES
         )
     except Exception as exc:
@@ -183,10 +175,9 @@ def broadcast_object(
         group: The group (a context means its world).
         obj: The object (source only).
         src: Group index of the source (the same valid index on every rank).
-        safe: Receivers only: ``True`` unpickles through an allow-list (builtin
-            containers and scalars, tensors, dtypes, devices); an iterable of
-            classes extends it. Anything else raises :class:`~pdist.PdistError`
-            naming it, without running it.
+        safe: Receivers only: ``True`` unpickles through torch's ``weights_only``
+            allow-list, an iterable of classes extends it; anything else raises
+            :class:`~pdist.PdistError` naming it, without running it.
 
     Returns:
         The source's object (on the source, ``obj`` itself).
@@ -225,10 +216,9 @@ def broadcast_object_list(
 
     Raises:
         ValueError: ``src`` is outside the group (on the calling rank only).
-        PdistError: A rank failed (on every rank, naming it; also a
-            ``TypeError`` or ``ValueError`` when its arguments were wrong). A
-            receiver's bad argument raises on that receiver alone when no
-            buckets follow (the others have all they need).
+        PdistError: A rank failed (on every rank, naming it; also a ``TypeError``
+            or ``ValueError`` for a bad argument, which raises on that receiver
+            alone when no buckets follow: the others have all they need).
     """
     g, what = as_group(group), "broadcast_object_list"
     error: BaseException | None = None
@@ -280,9 +270,6 @@ def broadcast_tensor_dict(
 ) -> dict[Any, Any]:
     """Broadcast a (nested) dict of tensors and other values from group index ``src``.
 
-    The metadata travels in one message; CPU tensors then go over the CPU
-    group and device tensors over the device group, in buckets.
-
     .. note:: All ranks of the group must call it; ``tensor_dict`` is ignored on receivers.
 
     Returns:
@@ -309,14 +296,14 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
     """
     group.global_rank(src)
     is_src = group.rank_in_group == src
-    fills: list[Fill] = []
+    fills: list[_payload.Fill] = []
     flats: list[torch.Tensor | None] = []
     buffers: list[torch.Tensor] = []
     failure: BaseException | None = None
     try:
         for t in tensors:
-            place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
-        flats = staging(fills, [f.size for f in fills], receiving=not is_src)
+            _payload.place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
+        flats = _payload.staging(fills, [f.size for f in fills], receiving=not is_src)
         buffers = [
             f.pack(flat) if is_src else f.receive_buffer(flat)
             for f, flat in zip(fills, flats, strict=True)

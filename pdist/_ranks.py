@@ -189,19 +189,12 @@ def rank0_first(
 ) -> Rank0FirstDecorator | Callable[Concatenate[DistContext, P], R]:
     """Decorator: run a function on the first rank, then on every other rank.
 
-    For work one rank must do before the others can (a download, a cache
-    fill). The two forms of :func:`rank0_only`; if the first rank raises,
-    every other rank raises :class:`~pdist.PdistError` naming its error
-    instead of waiting.
+    For work one rank must do before the others can (a download, a cache fill),
+    in the two forms of :func:`rank0_only`. If the first rank raises, every
+    other rank raises :class:`~pdist.PdistError` naming its error instead of waiting.
 
     .. note:: Every rank of the group (the world, for a context) must call the
        wrapped function.
-
-    Example::
-
-        @pdist.rank0_first(ctx)
-        def fetch_weights():
-            return download(url, cache_dir)
 
     Raises:
         TypeError: The argument is neither a callable nor a context or group,

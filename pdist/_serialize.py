@@ -226,52 +226,22 @@ def _persistent_loader(
     return load, untyped
 
 
-def _check_storages(
-    entries: Sequence[torch.Tensor], untyped: dict[int, torch.UntypedStorage]
-) -> None:
-    """Refuse a skeleton that rebuilt a tensor larger than the storage that travelled.
-
-    torch's rebuild functions grow a storage that is too small for the
-    tensor set on it (with uninitialized memory) instead of failing.
-    """
-    for index, found in untyped.items():
-        sent = entries[index].numel()
-        if found.nbytes() != sent:
-            msg = (
-                f"a received tensor needs {found.nbytes()} bytes of a storage of which {sent} "
-                "travelled; the sender's payload is corrupt"
-            )
-            raise PdistError(msg)
-
-
 # Torch queues every sparse tensor it unpickles in one module-level list, to be validated
 # after loading; pdist validates the ones its own loads queued (a reentrant lock keeps
 # concurrent pdist loads from taking each other's).
 _SPARSE_LOCK = threading.RLock()
 
 
-def _validate_sparse(tensors: list[torch.Tensor]) -> None:
-    """Check sparse tensors' invariants (indices in range...); an invalid one raises PdistError."""
-    for t in tensors:
-        try:
-            _compat.validate_sparse(t)
-        except PdistError:
-            raise
-        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            msg = f"a received sparse tensor is invalid: {exc}"
-            raise PdistError(msg) from None
-
-
 def loads(
     data: bytes,
     entries: Sequence[torch.Tensor],
-    storage: Sequence[bool] | None = None,
+    storage: Sequence[bool],
     *,
     safe: Safe = False,
 ) -> Any:
     """Unpickle a skeleton from :func:`dumps`, substituting ``entries`` for its persistent ids.
 
-    ``storage[i]``: entry ``i`` holds a storage's bytes (default: all tensors).
+    ``storage[i]``: entry ``i`` holds a storage's bytes (else a tensor).
     With ``safe``, through torch's ``weights_only`` allow-list plus the classes
     ``safe`` lists. Sparse tensors must satisfy their invariants and tensors
     rebuilt from a storage must fit the bytes that travelled.
@@ -279,8 +249,7 @@ def loads(
     Raises:
         PdistError: The object is refused or cannot be rebuilt (naming why).
     """
-    mask = [False] * len(entries) if storage is None else storage
-    persistent_load, storages = _persistent_loader(entries, mask)
+    persistent_load, storages = _persistent_loader(entries, storage)
     with _SPARSE_LOCK, warnings.catch_warnings():
         # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly.
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
@@ -291,8 +260,22 @@ def loads(
             fresh = list(pending[start:])
         finally:
             del pending[start:]
-        _check_storages(entries, storages)
-        _validate_sparse(fresh)
+        # torch grows a storage too small for the tensor set on it (with uninitialized memory).
+        for index, found in storages.items():
+            if found.nbytes() != entries[index].numel():
+                msg = (
+                    f"a received tensor needs {found.nbytes()} bytes of a storage of which "
+                    f"{entries[index].numel()} travelled; the sender's payload is corrupt"
+                )
+                raise PdistError(msg)
+        for t in fresh:
+            try:
+                _compat.validate_sparse(t)
+            except PdistError:
+                raise
+            except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+                msg = f"a received sparse tensor is invalid: {exc}"
+                raise PdistError(msg) from None
     return obj
 
 

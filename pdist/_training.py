@@ -309,10 +309,7 @@ def _local_states(
 ) -> list[tuple[str, torch.Tensor]]:
     """Validate this rank's arguments; the states to synchronize (bad arguments raise)."""
     rank = g.rank
-    try:
-        g.global_rank(src)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{exc} (on rank {rank})") from None
+    g.global_rank(src)  # type: ignore[arg-type]  # its errors name the rank
     names = _check_ignore(ignore, rank)
     if not isinstance(broadcast_buffers, bool):
         msg = f"broadcast_buffers={broadcast_buffers!r:.40} on rank {rank} must be True or False"

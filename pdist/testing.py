@@ -54,18 +54,10 @@ class SpawnError(PdistError):
         self.remote_traceback = remote_traceback
 
 
-def _leave_no_process_group() -> None:
-    """A job that left the default group initialized must not leak it into the next job."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        print("pdist.testing: the job left a process group initialized; destroying it")
-        dist.destroy_process_group()
-
-
 def _worker_main(conn: Connection, rank: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     base_env = dict(os.environ)
@@ -102,7 +94,10 @@ def _worker_main(conn: Connection, rank: int) -> None:
             except BaseException:
                 reply = pickle.dumps(("error", traceback.format_exc()))
             finally:
-                _leave_no_process_group()
+                # A job that left the default group initialized must not leak it into the next.
+                if dist.is_available() and dist.is_initialized():
+                    print("pdist.testing: the job left a process group initialized; destroying it")
+                    dist.destroy_process_group()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 faulthandler.unregister(signal.SIGUSR1)
