@@ -106,12 +106,10 @@ class _Regions:
         size, length = self.sizes[me], self.top if self.even else self.sizes[me]
         if bucket is not None and encoded is not None and size == length and encoded.lone(bucket):
             return encoded.pack(bucket)
-        own = self.out.numel() > 0
-        flat = (
-            (self.row(me) if self.even else self.region(me))
-            if own
-            else allocate(length, self.device, what="a gather")
-        )
+        if self.out.numel():  # a receiving rank rebuilds its own entry from its region
+            flat = self.row(me) if self.even else self.region(me)
+        else:
+            flat = allocate(length, self.device, what="a gather")
         if bucket is not None and encoded is not None:
             encoded.fills[bucket].pack(flat[:size])
         flat[size:].zero_()

@@ -345,9 +345,9 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
 
 
 def _record(
-    r: object, count: int, dtypes: list[torch.dtype], blob: int, source: str
-) -> tuple[int, int, int, int, list[int], int]:
-    """``(code, flags, bucket, offset, shape, nbytes)`` of one tensor record, checked."""
+    r: object, count: int, names: list[str], dtypes: list[torch.dtype], blob: int, source: str
+) -> tuple[TensorSpec, bool, tuple[int, int], int]:
+    """``(spec, is a storage, (bucket, offset), end)`` of one tensor record, checked."""
     if type(r) is not list or len(r) != 5:
         raise _corrupt(source, f"tensor record {r!r:.120}")
     code, flags, bucket, offset, shape = r
@@ -374,7 +374,9 @@ def _record(
         raise _corrupt(source, f"tensor record {r!r:.120} of {nbytes} bytes")
     if bucket < 0 and offset + nbytes > blob:
         raise _corrupt(source, f"inline tensor {r!r:.120} past the end of the body")
-    return code, flags, bucket, offset, shape, nbytes
+    device = "device" if flags & DEVICE else "cpu"
+    spec = TensorSpec(names[code], tuple(shape), device, bool(flags & GRAD), bool(flags & PARAM))
+    return spec, bool(flags & STORAGE), (bucket, offset), offset + nbytes
 
 
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
@@ -388,19 +390,12 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         blob = body[start + header["s"] :]
         specs, storage, places, ends = [], [], [], [-1] * count
         for r in header["t"]:
-            code, flags, bucket, offset, shape, nbytes = _record(
-                r, count, dtypes, len(blob), source
-            )
-            if bucket >= 0:
-                ends[bucket] = max(ends[bucket], offset + nbytes)
-            device = "device" if flags & DEVICE else "cpu"
-            specs.append(
-                TensorSpec(
-                    names[code], tuple(shape), device, bool(flags & GRAD), bool(flags & PARAM)
-                )
-            )
-            storage.append(bool(flags & STORAGE))
-            places.append((bucket, offset))
+            spec, is_storage, place, end = _record(r, count, names, dtypes, len(blob), source)
+            if place[0] >= 0:
+                ends[place[0]] = max(ends[place[0]], end)
+            specs.append(spec)
+            storage.append(is_storage)
+            places.append(place)
     except RecursionError:  # JSON nested past the interpreter's limit (parsing or printing it)
         raise _corrupt(source, "the header nests too deeply") from None
     # A bucket is as large as its tensors, padded to under split * ALIGN bytes more (``encode``):

@@ -153,19 +153,18 @@ def _close_pools() -> None:
         _pools.popitem()[1].close()
 
 
-def _pool(world_size: int) -> _Pool:
-    pool = _pools.get(world_size)
-    if pool is None or not pool.alive():
-        if pool is not None:
-            pool.kill()
-        pool = _pools[world_size] = _Pool(world_size)
-    return pool
-
-
 def _discard(world_size: int) -> None:
     pool = _pools.pop(world_size, None)
     if pool is not None:
         pool.kill()
+
+
+def _pool(world_size: int) -> _Pool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        _discard(world_size)
+        pool = _pools[world_size] = _Pool(world_size)
+    return pool
 
 
 def _read(path: str) -> str:
