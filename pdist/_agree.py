@@ -1,21 +1,13 @@
 """Fail together: the primitives every feature builds on, written once.
 
-Every pdist feature that crosses ranks has the same shape: each rank checks
-what it can locally, the ranks *agree* that they can go on, then data moves.
-Two primitives carry the agreement over a group's CPU (gloo) group:
-
-- :func:`status`: every rank reports whether its local step failed. When all
-  went well it costs one 8-byte all-reduce; when a rank failed, every rank
-  raises the same error naming it (the failing rank, its own error's type
-  too, see :func:`~pdist._errors.failure`), so nobody is left waiting in the
-  transfer that would have followed. :func:`tell` and :func:`hear` are the
-  same for the two ends of a point-to-point transfer.
-- :func:`agree`: every rank passed the same summary (a digest compared in one
-  all-reduce); only on a mismatch do the ranks exchange their summaries,
-  for a message that says which ranks passed what (:func:`ranks_by_value`).
-
-Failures travel as fixed-size marker slots (plain data, never a pickle):
-the failing rank, its error's type name and text, truncated.
+Every feature that crosses ranks checks locally, then the ranks agree that
+they can go on, then data moves. :func:`status` is one small all-reduce over
+the CPU group: when a rank failed, every rank raises the same error naming it
+(the failing rank, of its own error's type too), so nobody is left waiting in
+the transfer that would have followed; with a summary it also compares a
+digest (:func:`agree` exchanges summaries only on a mismatch). :func:`tell`
+and :func:`hear` do the same for the two ends of a point-to-point transfer.
+Failures travel as fixed-size marker slots (plain data, never a pickle).
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ._buffers import bytes_of
+from ._buffers import bytes_of, filled
 from ._errors import (
     ERROR,
     HEADER,
@@ -44,10 +36,10 @@ from ._group import Group
 __all__ = [
     "agree",
     "check_same",
-    "digest",
     "first_failing",
     "hear",
     "raise_failure",
+    "raise_marker",
     "raise_own",
     "ranks_by_value",
     "settle",
@@ -69,29 +61,31 @@ def raise_failure(
     raise error from error.__cause__  # the failing rank's own error; None for the peers
 
 
+def raise_marker(group: Group, what: str, body: bytes, own: BaseException | None) -> NoReturn:
+    """Raise the failure an error marker ``body`` from a peer carries."""
+    found = decode_marker(body, group.ranks)
+    if found is None:
+        msg = f"{what} on group {group.name!r}: a peer sent a malformed error marker"
+        raise PdistError(msg)
+    raise_failure(group, what, *found, own=own)
+
+
 def _slot(rank: int, error: BaseException | None) -> torch.Tensor:
     """A rank's fixed-size slot: a framed message (``_wire``), empty or an error marker."""
     marker = b"" if error is None else encode_marker(rank, error)[: _SLOT - HEADER.size]
-    data = HEADER.pack(OK if error is None else ERROR, len(marker)) + marker
-    out = torch.zeros(_SLOT, dtype=torch.uint8)
-    out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out
+    return filled(
+        HEADER.pack(OK if error is None else ERROR, len(marker)) + marker, _SLOT, what=None
+    )
 
 
 def _raise_from_slots(
     group: Group, slots: list[torch.Tensor], error: BaseException | None, what: str
-) -> None:
+) -> NoReturn:
     for slot in slots:
         status, length = HEADER.unpack(bytes_of(slot, HEADER.size))
-        if status != ERROR:
-            continue
-        found = decode_marker(
-            bytes_of(slot, min(max(length, 0), _SLOT - HEADER.size), HEADER.size), group.ranks
-        )
-        if found is None:
-            msg = f"{what} on group {group.name!r}: a peer sent a malformed error marker"
-            raise PdistError(msg)
-        raise_failure(group, what, *found, own=error)
+        if status == ERROR:
+            body = bytes_of(slot, min(max(length, 0), _SLOT - HEADER.size), HEADER.size)
+            raise_marker(group, what, body, error)
     # Only a peer that is not pdist raises the flag without sending a marker.
     msg = f"{what} on group {group.name!r}: a rank reported a failure but sent no error marker"
     raise PdistError(msg)
@@ -117,7 +111,8 @@ def status(
         if error is not None:
             raise_own(group, error, what, wrap_pdist=True)
         return True
-    h = 0 if summary is None else digest(summary)
+    h = 0 if summary is None else _digest(summary)
+    # max(h) == -max(-h) exactly when every rank passed the same digest.
     flags = torch.tensor([0 if error is None else 1, h, -h], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.cpu_group)
     if int(flags[0]):
@@ -128,8 +123,7 @@ def status(
 def settle(group: Group, error: BaseException | None, *, together: bool, what: str) -> None:
     """Report this rank's ``error``: to every rank when ``together``, else on this rank alone.
 
-    ``together`` (a transfer follows) must be known alike on every rank; without
-    it no collective follows, nobody waits, and only the failing rank raises.
+    ``together`` (a transfer follows) must be alike on every rank; without it nobody waits.
     """
     if together:
         status(group, error, what=what)
@@ -137,11 +131,8 @@ def settle(group: Group, error: BaseException | None, *, together: bool, what: s
         raise_own(group, error, what)
 
 
-def spread(group: Group, error: BaseException | None, *, what: str) -> None:
-    """Once every rank knows that some rank failed: exchange the failures, raise the first.
-
-    .. note:: All ranks of the group must call it (after a flag said someone failed).
-    """
+def spread(group: Group, error: BaseException | None, *, what: str) -> NoReturn:
+    """Once every rank knows that some rank failed: exchange the failures, raise the first."""
     slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in group.ranks]
     dist.all_gather(slots, _slot(group.rank, error), group=group.cpu_group)
     _raise_from_slots(group, slots, error, what)
@@ -150,22 +141,18 @@ def spread(group: Group, error: BaseException | None, *, what: str) -> None:
 def raise_own(
     group: Group, error: BaseException, what: str, *, wrap_pdist: bool = False
 ) -> NoReturn:
-    """Raise this rank's own failure where no collective follows to carry it to the others.
+    """Raise this rank's own failure where no collective carries it to the others.
 
-    A :class:`~pdist.PdistError` is raised as it is (unless ``wrap_pdist``);
-    anything else as the error the peers would raise, of its own type too.
+    A :class:`~pdist.PdistError` as it is (unless ``wrap_pdist``); anything else
+    as the error the peers would raise, of its own type too.
     """
     if isinstance(error, PdistError) and not wrap_pdist:
         raise error
     raise_failure(group, what, group.rank, kind_name(error), str(error), error)
-    raise error  # unreachable: raise_failure raised
 
 
 def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
-    """The receiving end of a transfer tells group index ``peer`` whether it can go on.
-
-    Raises this rank's own failure after telling (the sender raises too, in :func:`hear`).
-    """
+    """The receiving end tells group index ``peer`` whether it can go on; raises if it failed."""
     dist.send(_slot(group.rank, error), dst=group.ranks[peer], group=group.cpu_group)
     if error is not None:
         raise_own(group, error, what, wrap_pdist=True)
@@ -179,7 +166,7 @@ def hear(group: Group, peer: int, *, what: str) -> None:
         _raise_from_slots(group, [slot], None, what)
 
 
-def digest(summary: str | bytes) -> int:
+def _digest(summary: str | bytes) -> int:
     """A 63-bit digest of ``summary`` (so that ``h`` and ``-h`` both fit an int64)."""
     data = summary.encode() if isinstance(summary, str) else summary
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
@@ -188,25 +175,15 @@ def digest(summary: str | bytes) -> int:
 def agree(group: Group, summary: str | bytes) -> list[str] | None:
     """Whether every rank passed the same ``summary``: None if so, else every rank's summary.
 
-    One all-reduce of ``[h, -h]`` (max and min are equal exactly when all
-    agree); only on a mismatch, one all-gather of each summary's first 512
-    bytes, for the message.
+    Only on a mismatch do the summaries travel (their first 512 bytes each).
 
     .. note:: All ranks of the group must call it.
     """
-    if group.world_size == 1:
-        return None
-    h = digest(summary)
-    both = torch.tensor([h, -h], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.cpu_group)
-    if int(both[0]) == -int(both[1]):
+    if status(group, None, what="agree", summary=summary):
         return None
     data = summary.encode() if isinstance(summary, str) else summary
-    mine = torch.zeros(_SUMMARY, dtype=torch.uint8)
-    short = data[:_SUMMARY]
-    mine[: len(short)] = torch.frombuffer(bytearray(short), dtype=torch.uint8)
     rows = [torch.empty(_SUMMARY, dtype=torch.uint8) for _ in group.ranks]
-    dist.all_gather(rows, mine, group=group.cpu_group)
+    dist.all_gather(rows, filled(data[:_SUMMARY], _SUMMARY, what=None), group=group.cpu_group)
     return [bytes_of(r).rstrip(b"\0").decode(errors="replace") for r in rows]
 
 
@@ -226,9 +203,8 @@ def ranks_by_value(values: Mapping[int, Hashable], *, value_first: bool = True) 
 def check_same(group: Group, what: str, summary: str, error: BaseException | None) -> None:
     """Check that every rank passed the same arguments; raise the same error on every rank.
 
-    ``summary`` describes this rank's arguments and ``error`` is its own
-    validation error, if any (a rank's error is its summary, so ranks that
-    all failed alike raise that error, and a mix raises the mismatch).
+    ``summary`` describes this rank's arguments, ``error`` is its own validation
+    error: ranks that all failed alike raise it, and a mix raises the mismatch.
 
     Raises:
         RankMismatchError: The ranks' summaries differ (naming the ranks of each).
@@ -237,8 +213,7 @@ def check_same(group: Group, what: str, summary: str, error: BaseException | Non
     text = f"{kind_name(error)}: {error}" if error is not None else summary
     summaries = agree(group, text)
     if summaries is not None:
-        by_rank = dict(zip(group.ranks, summaries, strict=True))
-        parts = ranks_by_value(by_rank, value_first=False)
+        parts = ranks_by_value(dict(zip(group.ranks, summaries, strict=True)), value_first=False)
         msg = f"{what}: ranks passed different arguments; {parts}"
         raise RankMismatchError(msg)
     if error is not None:

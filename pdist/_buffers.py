@@ -1,8 +1,7 @@
 """Staging memory: every buffer pdist sends from or receives into, and tensors as bytes.
 
-All of them come from :func:`allocate`, so that an allocation that fails is one
-kind of failure everywhere (a :class:`~pdist.PdistError` saying what could
-not be had), and so that tests can make one fail (the allocation seam).
+All come from :func:`allocate`, so that a failed allocation is one kind of
+failure everywhere (a :class:`~pdist.PdistError`), and tests can make one fail.
 """
 
 from __future__ import annotations
@@ -52,11 +51,10 @@ def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
 def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
     """An uninitialized uint8 buffer; large CPU ones are backed by transparent huge pages.
 
-    glibc hands out blocks of 32 MiB and more as fresh mappings, whose first
-    write costs a page fault per 4 KiB page: for a 128 MiB receive buffer that
-    costs about as much as the transfer itself, and huge pages cut the faults
-    512-fold (``python -m pdist bench``, case (a)). Smaller blocks come from the
-    heap, where a block freed by the previous call is reused warm.
+    glibc maps blocks of 32 MiB and more fresh, and their first write faults per
+    4 KiB page: for a 128 MiB receive buffer as costly as the transfer itself.
+    Huge pages cut the faults 512-fold (``python -m pdist bench``, case (a));
+    smaller blocks come warm from the heap.
     """
     if device.type != "cpu" or nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -84,11 +82,7 @@ def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") ->
 
 
 def slab(sizes: Sequence[int], device: torch.device, *, what: str) -> list[torch.Tensor]:
-    """Buffers of ``sizes`` bytes carved from one allocation, each :data:`ALIGN`-ed.
-
-    The parts of one transfer are alive together, so their total decides which
-    memory backs them (see :func:`allocate`).
-    """
+    """Buffers of ``sizes`` bytes carved from one allocation (their total decides the memory)."""
     starts, total = offsets(sizes)
     whole = allocate(total, device, what=what)
     return [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]
@@ -99,8 +93,8 @@ def filled(
 ) -> torch.Tensor:
     """A uint8 CPU tensor holding ``data``, zero-padded to ``size`` bytes.
 
-    ``what=None`` is for the framing's small fixed-size first chunks, which
-    bypass :func:`allocate`: they must exist to carry any other failure.
+    ``what=None`` (small fixed-size chunks) bypasses :func:`allocate`: those
+    must exist to carry any other failure.
     """
     n = len(data)
     total = max(n, size)
@@ -120,10 +114,9 @@ def bytes_of(t: torch.Tensor, n: int | None = None, offset: int = 0) -> bytes:
 
 
 def resolved(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached, with a pending conjugation or negation applied (a copy only then).
+    """``t`` detached, a pending conjugation or negation applied (a copy only then).
 
-    Conjugate and negative views cannot be viewed as bytes; resolving them
-    before anything is sent keeps packing from failing half-way.
+    Such views cannot be seen as bytes; resolving them first keeps packing from failing half-way.
     """
     flat = t.detach()
     if flat.is_conj():

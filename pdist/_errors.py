@@ -1,11 +1,10 @@
 """Exception types raised by pdist, and a failure's plain-data form on the wire (a leaf).
 
-A rank that fails while preparing its part of a collective tells its peers as
-an *error marker*: a struct (the failing rank, the error's type name) and the
-error's text as UTF-8, never a pickle. Every peer then raises a
-:class:`RemoteError` naming that rank; the failing rank raises an error that is
-both a :class:`RemoteError` and an instance of its own error's type, chained to
-it, so code that catches the original type (as it would with torch) still does.
+A rank that fails while preparing its part of a collective sends an *error
+marker*: a struct (its rank, the error's type name) and the error's text, never
+a pickle. Every peer raises a :class:`RemoteError` naming that rank; the failing
+rank raises one that is also of its own error's type, chained to it, so code
+that catches the original type (as it would with torch) still does.
 """
 
 from __future__ import annotations
@@ -36,11 +35,7 @@ class PdistError(RuntimeError):
 
 
 class RankMismatchError(PdistError):
-    """Ranks of a group disagree about something that must agree.
-
-    Raised identically on every rank of the group, after a metadata exchange,
-    so that no rank is left waiting in a collective.
-    """
+    """Ranks of a group disagree about something that must agree (raised on every rank)."""
 
 
 class RemoteError(PdistError):
@@ -106,28 +101,26 @@ def _join(first: Any, second: Any, name: str, kind: str) -> type | None:
         return None
 
 
-def _joined(kind: type[BaseException]) -> type | None:
-    if kind in (TypeError, ValueError):
-        return _PEER_TYPES[kind.__name__]
-    travels_as = getattr(kind, "_pdist_kind", kind.__name__)
-    return _join(RemoteError, cast("Any", kind), f"Remote{kind.__name__}", travels_as)
+def _made(cls: Any, message: str) -> BaseException | None:
+    """``cls(message)``, or None when it cannot be made or does not print as ``message``."""
+    try:
+        error: BaseException = cls(message)
+    except Exception:  # a type whose constructor wants other arguments
+        return None
+    return error if str(error) == message else None  # KeyError, for one, quotes its text
 
 
 def translated(error: BaseException, as_type: type[BaseException], message: str) -> BaseException:
     """``message`` as an ``as_type`` that is still an instance of ``error``'s type, chained to it.
 
-    For errors pdist explains better than the original did (a pickling
-    failure becomes a ``TypeError`` saying what to do) while code that catches
-    the original type, as it would around torch, still catches it.
+    For errors pdist explains better than the original did (a pickling failure
+    becomes a ``TypeError`` saying what to do), while code that catches the
+    original type, as it would around torch, still catches it.
     """
     name = f"{as_type.__name__}From{type(error).__name__}"
     joined = _join(cast("Any", as_type), cast("Any", type(error)), name, as_type.__name__)
-    try:
-        out = joined(message) if joined is not None and joined is not type(error) else None
-    except Exception:  # a type whose constructor wants other arguments
-        out = None
-    if out is None or str(out) != message:
-        out = as_type(message)
+    out = _made(joined, message) if joined not in (None, type(error)) else None
+    out = as_type(message) if out is None else out
     out.__cause__ = error
     return out
 
@@ -143,13 +136,15 @@ def failure(message: str, kind: str, own: BaseException | None) -> BaseException
         return _PEER_TYPES.get(kind, RemoteError)(message)
     if isinstance(own, RemoteError):
         return own
-    joined = _joined(type(own))
-    try:
-        error: BaseException = joined(message)  # type: ignore[misc]
-        if str(error) != message:  # a type that formats its arguments (KeyError quotes them)
-            raise TypeError(message)
-    except Exception:  # no joined class, or a type whose construction or text differs
-        if hasattr(own, "add_note"):
+    kind_of: Any = type(own)  # hashable, whatever typeshed says
+    joined = (
+        _PEER_TYPES[kind_of.__name__]
+        if kind_of in (TypeError, ValueError)
+        else _join(RemoteError, kind_of, f"Remote{kind_of.__name__}", kind_name(own))
+    )
+    error = None if joined is None else _made(joined, message)
+    if error is None:
+        if hasattr(own, "add_note"):  # Python 3.11 and later
             own.add_note(message)
         return own
     error.__cause__ = own

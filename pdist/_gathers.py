@@ -1,16 +1,17 @@
 """Object gathers: every rank's skeleton in one message, tensors in one region per transport.
 
-As with the broadcasts (``_objects``), the ranks agree that every one of them
-could decode and allocate before any tensor moves. Each rank's tensors travel
-as one aligned region per transport: when the ranks send about as much as each
-other, one all-gather (or gather) of equal rows moves them all; otherwise each
-rank with data sends its own region, so that one large rank does not make
-every rank allocate world-size times its bytes.
+As with the broadcasts, the ranks agree that every one could decode and
+allocate before any tensor moves. When the ranks send about as much as each
+other, one all-gather (or gather) of equal rows moves every rank's region;
+otherwise each rank sends its own, so that one large rank does not make every
+rank allocate world-size times its bytes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from ._payload import (
     bucket_count,
     decode,
     encode,
+    materialize,
     receive_buffers,
     tensors_of,
     transport_device,
@@ -59,6 +61,18 @@ def _encode_own(
     return checked, encoded, None
 
 
+def _alone(g: Group, encoded: Encoded | None, error: BaseException | None) -> list[Any]:
+    """What a one-rank gather returns: the object rebuilt from its own encoding (a copy)."""
+    if error is not None:
+        raise error
+    assert encoded is not None
+    decoded = decode(encoded.body)
+    buckets = receive_buffers(decoded, g.device)
+    for i, flat in enumerate(buckets):
+        encoded.fills[i].pack(flat)
+    return [materialize(decoded, buckets, g.device)]
+
+
 def _sizes(encoded: Encoded | Decoded | None) -> list[int]:
     """Bytes per transport kind (at most one bucket each in a gather)."""
     buckets = [] if encoded is None else encoded.buckets
@@ -68,10 +82,7 @@ def _sizes(encoded: Encoded | Decoded | None) -> list[int]:
 class _Regions:
     """Receive memory for one transport of a gather: one region per rank, in one allocation.
 
-    When the ranks send about as much as each other (``even``) every region is
-    a row of the largest size, so one all-gather (or gather) moves them all;
-    otherwise regions are packed tight and each rank with data sends its own,
-    so that one large rank does not make every rank allocate W times its size.
+    ``even``: every region is a row of the largest size, moved by one collective.
     """
 
     def __init__(self, sizes: list[int], device: torch.device, *, receiving: bool) -> None:
@@ -91,41 +102,45 @@ class _Regions:
         return self.out[self.starts[r] : self.starts[r] + self.top]
 
     def send(self, me: int, encoded: Encoded | None, bucket: int | None) -> torch.Tensor:
-        """This rank's bytes of the transport, where the gather sends them from.
-
-        Packed straight into this rank's own region when it has one (its own
-        entry is rebuilt from there), else into a buffer of the row's size; a
-        lone tensor that fills its row travels from its own memory.
-        """
+        """This rank's bytes to send: in its own region, a row-sized buffer, or a lone tensor."""
         size, length = self.sizes[me], self.top if self.even else self.sizes[me]
         if bucket is not None and encoded is not None and size == length and encoded.lone(bucket):
             return encoded.pack(bucket)
-        own = self.out.numel() > 0
-        flat = (
-            (self.row(me) if self.even else self.region(me))
-            if own
-            else allocate(length, self.device, what="a gather")
-        )
+        if self.out.numel():  # a receiving rank rebuilds its own entry from its region
+            flat = self.row(me) if self.even else self.region(me)
+        else:
+            flat = allocate(length, self.device, what="a gather")
         if bucket is not None and encoded is not None:
             encoded.fills[bucket].pack(flat[:size])
         flat[size:].zero_()
         return flat
 
 
-def _bucket_of(encoded: Encoded | None, kind: str) -> int | None:
-    if encoded is None:
-        return None
-    return next((i for i, b in enumerate(encoded.buckets) if b.kind == kind), None)
+class _Plan(NamedTuple):
+    """Every rank's decoded body, the regions per transport, views of them, this rank's sends."""
+
+    decodeds: list[Decoded]
+    regions: dict[str, _Regions]
+    views: list[list[torch.Tensor]]
+    sends: dict[str, torch.Tensor]
 
 
-def _prepare(
+def _plan(
     g: Group,
-    sizes: list[list[int]],
-    decodeds: list[Decoded],
+    bodies: list[bytes],
+    sizes: list[list[int]] | None,
     encoded: Encoded | None,
     receiving: bool,
-) -> tuple[dict[str, _Regions], list[list[torch.Tensor]], dict[str, torch.Tensor]]:
-    """Regions per transport, every rank's tensors as views of them, and this rank's sends."""
+) -> _Plan:
+    """Decode ``bodies`` (each matching its rank's ``sizes`` record), and lay out the regions."""
+    decodeds = []
+    for r, body in enumerate(bodies):
+        decoded = decode(body, source=f"rank {g.ranks[r]}")
+        if sizes is not None and _sizes(decoded) != sizes[r]:
+            msg = f"rank {g.ranks[r]} sent a payload whose buckets differ from its size record"
+            raise PdistError(msg)
+        decodeds.append(decoded)
+    sizes = [_sizes(d) for d in decodeds] if sizes is None else sizes
     regions = {
         kind: _Regions([s[k] for s in sizes], transport_device(kind, g.device), receiving=receiving)
         for k, kind in enumerate(KINDS)
@@ -135,29 +150,36 @@ def _prepare(
         tensors_of(d, [regions[b.kind].region(r) for b in d.buckets], g.device)
         for r, d in enumerate(decodeds)
     ]
-    sends = {
-        kind: reg.send(g.rank_in_group, encoded, _bucket_of(encoded, kind))
-        for kind, reg in regions.items()
-    }
-    return regions, views, sends
+    me = g.rank_in_group
+    bucket_of = {b.kind: i for i, b in enumerate([] if encoded is None else encoded.buckets)}
+    sends = {kind: reg.send(me, encoded, bucket_of.get(kind)) for kind, reg in regions.items()}
+    return _Plan(decodeds, regions, views, sends)
 
 
-def _rebuilt(
-    g: Group, decodeds: list[Decoded], views: list[list[torch.Tensor]], safe: Safe
-) -> list[Any]:
+def _agreed(g: Group, make: Callable[[], _Plan], *, together: bool, what: str) -> _Plan:
+    """``make()``, then every rank learns whether every rank could (``together``: data follows)."""
+    plan, failure = _Plan([], {}, [], {}), None
+    try:
+        plan = make()
+    except Exception as exc:
+        failure = exc
+    _agree.settle(g, failure, together=together, what=what)
+    return plan
+
+
+def _rebuilt(g: Group, plan: _Plan, safe: Safe) -> list[Any]:
     me = g.rank_in_group
     return [
         loads(d.skeleton, v, d.storage, safe=False if r == me else safe)
-        for r, (d, v) in enumerate(zip(decodeds, views, strict=True))
+        for r, (d, v) in enumerate(zip(plan.decodeds, plan.views, strict=True))
     ]
 
 
 def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = False) -> list[Any]:
-    """Every rank's ``obj``, in group order, on every rank.
+    """Every rank's ``obj``, in group order, on every rank (each a copy, as with torch).
 
-    Dense tensors travel as tensors (one all-gather per transport, whatever
-    their number) and land on the receiver's device. As with torch, every
-    entry is a copy, the caller's own included.
+    Dense tensors travel as tensors (one all-gather per transport) and land on
+    the receiver's device.
 
     .. note:: All ranks of the group must call it.
 
@@ -179,31 +201,18 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
     what = "all_gather_object"
     safe, encoded, error = _encode_own(g, obj, safe)
     if g.world_size == 1:
-        if error is not None:
-            raise error
-        assert encoded is not None
-        return [_local_copy(g, encoded)]
-    bodies = _wire.all_gather_bytes(
-        g, None if encoded is None else encoded.body, error=error, what=what
+        return _alone(g, encoded, error)
+    body = None if encoded is None else encoded.body
+    bodies = _wire.all_gather_bytes(g, body, error=error, what=what)
+    counts = [bucket_count(b, source=f"rank {r}") for b, r in zip(bodies, g.ranks, strict=True)]
+    plan = _agreed(
+        g, lambda: _plan(g, bodies, None, encoded, True), together=any(counts), what=what
     )
-    sources = [f"rank {r}" for r in g.ranks]
-    counts = [bucket_count(b, source=s) for b, s in zip(bodies, sources, strict=True)]
-    failure: BaseException | None = None
-    decodeds: list[Decoded] = []
-    regions: dict[str, _Regions] = {}
-    views: list[list[torch.Tensor]] = []
-    sends: dict[str, torch.Tensor] = {}
-    try:
-        decodeds = [decode(b, source=s) for b, s in zip(bodies, sources, strict=True)]
-        regions, views, sends = _prepare(g, [_sizes(d) for d in decodeds], decodeds, encoded, True)
-    except Exception as exc:
-        failure = exc
-    _agree.settle(g, failure, together=any(counts), what=what)
     works = []
-    for kind, reg in regions.items():
+    for kind, reg in plan.regions.items():
         pg = g.transport(kind)
         if reg.even:
-            works.append(all_gather_into(reg.out, sends[kind], pg, async_op=True))
+            works.append(all_gather_into(reg.out, plan.sends[kind], pg, async_op=True))
             continue
         works += [
             dist.broadcast(reg.region(r), src=g.ranks[r], group=pg, async_op=True)
@@ -212,27 +221,13 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
         ]
     for work in works:
         work.wait()
-    return _rebuilt(g, decodeds, views, safe)
-
-
-def _local_copy(g: Group, encoded: Encoded) -> Any:
-    """The object rebuilt from its own encoding: what a one-rank gather returns (a copy)."""
-    decoded = decode(encoded.body)
-    buckets = receive_buffers(decoded, g.device)
-    for i, flat in enumerate(buckets):
-        encoded.fills[i].pack(flat)
-    return loads(decoded.skeleton, tensors_of(decoded, buckets, g.device), decoded.storage)
+    return _rebuilt(g, plan, safe)
 
 
 def _gather_bodies(
     g: Group, encoded: Encoded | None, error: BaseException | None, dst_global: int, what: str
 ) -> tuple[list[list[int]], list[bytes]]:
-    """Every rank's size record, and (on the destination) every body: two collectives.
-
-    One fixed-size record per rank (failed, body length, bytes per transport)
-    goes to every rank; a failure there raises everywhere. Then the bodies,
-    padded to the longest, are gathered to the destination.
-    """
+    """Every rank's size record (failed, body length, bytes per transport), every body on dst."""
     body = b"" if encoded is None else encoded.body
     mine = torch.tensor([int(error is not None), len(body), *_sizes(encoded)], dtype=torch.int64)
     rows = [torch.empty(4, dtype=torch.int64) for _ in g.ranks]
@@ -244,24 +239,24 @@ def _gather_bodies(
         msg = f"{what} on group {g.name!r}: a rank sent a corrupt size record {records}"
         raise PdistError(msg)
     longest, is_dst = max(rec[1] for rec in records), g.rank == dst_global
-    padded, outs, failure = torch.empty(0, dtype=torch.uint8), [], None
-    try:
-        padded = filled(body, longest, what=what)
-        outs = [allocate(longest, what=what) for _ in g.ranks] if is_dst else []
-    except PdistError as exc:
-        failure = exc
-    _agree.settle(g, failure, together=longest >= _wire.STATUS_MIN_BYTES, what=what)
-    dist.gather(padded, outs if is_dst else None, dst=dst_global, group=g.cpu_group)
-    return records, [bytes_of(out, rec[1]) for out, rec in zip(outs, records, strict=False)]
+    buffers = _wire.reserve(
+        lambda: [
+            filled(body, longest, what=what),
+            *([allocate(longest, what=what) for _ in g.ranks] if is_dst else []),
+        ],
+        longest,
+        lambda failure: _agree.status(g, failure, what=what),
+    )
+    dist.gather(buffers[0], buffers[1:] if is_dst else None, dst=dst_global, group=g.cpu_group)
+    return records, [bytes_of(out, rec[1]) for out, rec in zip(buffers[1:], records, strict=False)]
 
 
 def gather_object(
     group: Group | DistContext, obj: Any, dst: int = 0, *, safe: Safe = False
 ) -> list[Any] | None:
-    """Every rank's ``obj`` in group order on group index ``dst``; None elsewhere.
+    """Every rank's ``obj`` in group order on group index ``dst`` (copies); None elsewhere.
 
-    Dense tensors travel as tensors (one gather per transport); as with
-    torch, the destination's own entry is a copy.
+    Dense tensors travel as tensors (one gather per transport).
 
     .. note:: All ranks of the group must call it.
 
@@ -285,49 +280,28 @@ def gather_object(
     dst_global = g.global_rank(dst, name="dst")
     safe, encoded, error = _encode_own(g, obj, safe)
     if g.world_size == 1:
-        if error is not None:
-            raise error
-        assert encoded is not None
-        return [_local_copy(g, encoded)]
+        return _alone(g, encoded, error)
     records, bodies = _gather_bodies(g, encoded, error, dst_global, what)
     is_dst = g.rank_in_group == dst
-    failure: BaseException | None = None
-    decodeds: list[Decoded] = []
-    regions: dict[str, _Regions] = {}
-    views: list[list[torch.Tensor]] = []
-    sends: dict[str, torch.Tensor] = {}
-    try:
-        for r, body in enumerate(bodies):
-            decoded = decode(body, source=f"rank {g.ranks[r]}")
-            if _sizes(decoded) != records[r][2:]:
-                msg = f"rank {g.ranks[r]} sent a payload whose buckets differ from its size record"
-                raise PdistError(msg)
-            decodeds.append(decoded)
-        regions, views, sends = _prepare(g, [rec[2:] for rec in records], decodeds, encoded, is_dst)
-    except Exception as exc:
-        failure = exc
-    _agree.settle(g, failure, together=any(rec[2] or rec[3] for rec in records), what=what)
-    for work in _gather_regions(g, regions, sends, dst_global, is_dst):
-        work.wait()
-    return _rebuilt(g, decodeds, views, safe) if is_dst else None
-
-
-def _gather_regions(
-    g: Group, regions: dict[str, _Regions], sends: dict[str, torch.Tensor], dst: int, is_dst: bool
-) -> list[Any]:
+    sizes = [rec[2:] for rec in records]
+    make = functools.partial(_plan, g, bodies, sizes, encoded, is_dst)
+    plan = _agreed(g, make, together=any(any(s) for s in sizes), what=what)
     works: list[Any] = []
-    me = g.rank_in_group
-    for kind, reg in regions.items():
+    for kind, reg in plan.regions.items():
         pg = g.transport(kind)
         if reg.even:
             rows = [reg.row(r) for r in range(g.world_size)] if is_dst else None
-            works.append(dist.gather(sends[kind], rows, dst=dst, group=pg, async_op=True))
+            works.append(
+                dist.gather(plan.sends[kind], rows, dst=dst_global, group=pg, async_op=True)
+            )
         elif is_dst:
             works += [
                 dist.irecv(reg.region(r), src=g.ranks[r], group=pg)
                 for r, size in enumerate(reg.sizes)
-                if size and r != me
+                if size and r != g.rank_in_group
             ]
-        elif reg.sizes[me]:
-            works.append(dist.isend(sends[kind], dst=dst, group=pg))
-    return works
+        elif reg.sizes[g.rank_in_group]:
+            works.append(dist.isend(plan.sends[kind], dst=dst_global, group=pg))
+    for work in works:
+        work.wait()
+    return _rebuilt(g, plan, safe) if is_dst else None

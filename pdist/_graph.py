@@ -25,10 +25,9 @@ class GraphCaptureContext:
 def graph_capture(group: Group | DistContext, stream: Any = None) -> Iterator[GraphCaptureContext]:
     """Run the block on a side stream that first waits for the current stream.
 
-    On CUDA, ``stream`` (default: a new stream on the group's device) waits
-    on the current stream, and the block runs with it as the current stream,
-    as CUDA-graph capture needs. On CPU there is no stream: the block runs as
-    is and the context's ``stream`` is None.
+    On CUDA, ``stream`` (default: a new one on the group's device) is the
+    current stream in the block, as CUDA-graph capture needs; on CPU the block
+    runs as is and the context's ``stream`` is None.
 
     Example::
 

@@ -1,7 +1,6 @@
 """The value types every other module works with: ``Group``, ``DistContext`` and their lifetime.
 
-It imports nothing else from pdist but the errors, so that every other module
-can depend on it and nothing imports back up.
+It imports nothing from pdist but the errors, so every other module can depend on it.
 """
 
 from __future__ import annotations
@@ -34,10 +33,7 @@ Blocks = tuple[tuple[int, ...], ...]
 
 
 class HeaderTransport(Protocol):
-    """What carries a group's object-broadcast headers instead of its CPU group.
-
-    :func:`~pdist.message_queue` attaches one (a shared-memory ring) to the group it yields.
-    """
+    """What carries a group's object-broadcast headers instead of its CPU group (an mq ring)."""
 
     def broadcast_bytes(
         self,
@@ -56,8 +52,7 @@ class HeaderTransport(Protocol):
 class Built:
     """A partition as built in one block: the caller's block and its two group keys.
 
-    ``member`` is False when the caller is in no block (it then holds a group of
-    its own, see ``_subgroups``); ``timeout`` is the communicators' own.
+    ``member``: the caller is in a block (else it holds a group of its own, see ``_subgroups``).
     """
 
     ranks: tuple[int, ...]
@@ -70,15 +65,13 @@ class Built:
 class Lifetime:
     """The torch process groups of one ``distributed()`` block, and whether it is still open.
 
-    Groups reach torch's process groups only through this object, so that
-    once the block exits nothing pdist handed out keeps a destroyed group
-    alive (torch 2.13 with gloo can abort at exit while one is referenced).
-    It also remembers the partitions built in the block, so that asking twice
-    for the same groups builds them once.
+    Groups reach torch's process groups only through it, so that once the block
+    exits nothing pdist handed out keeps a destroyed group alive (torch 2.13 with
+    gloo can abort at exit while one is referenced).
 
     Attributes:
         subgroup_timeout: The timeout of groups built after start-up.
-        partitions: Partitions built so far, by their blocks.
+        partitions: Partitions built so far, by their blocks (asking twice builds once).
     """
 
     def __init__(self) -> None:
@@ -128,10 +121,7 @@ class Lifetime:
         # Destroying the default group destroys every group torch knows of.
         for pg in [None] if self._owns_default else reversed(created):
             try:
-                if pg is None:
-                    if dist.is_initialized():
-                        dist.destroy_process_group()
-                else:
+                if pg is not None or dist.is_initialized():
                     dist.destroy_process_group(pg)
             except Exception:  # teardown must go on; the block's own error matters more
                 logger.warning("pdist: destroying a process group failed", exc_info=True)
@@ -141,8 +131,7 @@ class Lifetime:
 class Group:
     """One process group, seen from the calling rank.
 
-    All rank attributes except ``rank_in_group`` are global ranks; ``src`` and
-    ``dst`` arguments of pdist's collectives index into ``ranks``.
+    Rank attributes but ``rank_in_group`` are global; ``src``/``dst`` arguments index ``ranks``.
 
     Attributes:
         name: What the group is for (``"world"``, ``"tp"``, ...).
@@ -250,7 +239,7 @@ class Group:
         """The group index of a point-to-point peer: ``index``, or ``default_global``'s.
 
         Raises:
-            ValueError: The group has one rank, or ``index`` is outside it.
+            TypeError | ValueError: The group has one rank, or ``index`` is not in it.
         """
         if self.world_size == 1:
             msg = (
@@ -279,8 +268,8 @@ class DistContext:
         tp: Tensor-parallel group (adjacent ranks).
         sp: Sequence-parallel group.
         dp: Data-parallel group.
-        dp_sp: The ranks sharing this rank's tp index: the group gradients are
-            averaged over (data and sequence parallel together); ``dp`` when ``sp == 1``.
+        dp_sp: The ranks sharing this rank's tp index, over which gradients are
+            averaged (``dp`` when ``sp == 1``).
     """
 
     rank: int

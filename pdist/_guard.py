@@ -1,10 +1,8 @@
 """Deadlines enforced by a watchdog: the start-up of ``distributed()`` and ``world_comm_guard``.
 
-A rank stuck while a communicator comes up sits inside a C call that no
-signal or exception can reach, so the watchdog thread ends the process
-itself, with ``WORLD_COMM_TIMEOUT_EXIT_CODE``, after logging which stage it
-was in and which ranks never checked in. Ranks check in through the
-rendezvous store as soon as they reach it, before any communicator exists.
+A rank stuck while a communicator comes up sits inside a C call that no signal
+or exception reaches, so the watchdog ends the process itself (exit code 93),
+after logging the stage and the ranks that never checked in to the store.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ _MISSING_SHOWN = 16
 def world_comm_timeout() -> float | None:
     """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever).
 
-    Unset gives 600 s; ``0`` waits forever; a non-number, ``nan``, ``inf`` or a
-    negative value logs a warning naming the variable and gives the default.
+    Unset gives 600 s, ``0`` waits forever; a bad value warns and gives the default.
     """
     return _env.world_comm_timeout()
 
@@ -66,9 +63,9 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
     """The indices of ``keys`` absent from ``store``, read with a bounded wait (None: no answer).
 
     Reads through a clone of ``store`` (its own connection): the stuck main thread
-    may hold the original's. Chunked: one round trip per chunk, then one per key
-    of the incomplete chunks. The reading thread may hang on a dead store; the
-    watchdog never waits on it.
+    may hold the original's. One round trip per chunk, then one per key of the
+    incomplete chunks. The reading thread may hang on a dead store; the watchdog
+    never waits on it.
     """
     found: list[int] = []
     done = threading.Event()
@@ -88,11 +85,8 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
 class Deadline:
     """A watchdog that ends the process with exit code 93 unless disarmed in time.
 
-    ``stage`` names what the rank is doing (it appears in the message);
-    :meth:`check_in` records this rank in the store, so that on expiry every
-    waiting rank can name the ranks that never arrived. A rank that hosts the
-    store sets :meth:`hosts_store`: on expiry it keeps serving a little longer,
-    so that the other ranks can still read the check-ins.
+    ``stage`` names what the rank is doing (it appears in the message); the
+    check-ins let every waiting rank name the ranks that never arrived.
     """
 
     def __init__(
@@ -121,7 +115,7 @@ class Deadline:
         self._linger = 0.0
 
     def hosts_store(self) -> None:
-        """Mark this rank as the store's host: on expiry it exits after the others read it."""
+        """This rank hosts the store: on expiry it exits after the others read the check-ins."""
         if self.seconds is not None:
             self._linger = grace(self.seconds) + _STORE_READ_SECONDS
 
@@ -137,13 +131,9 @@ class Deadline:
         self._thread.start()
 
     def check_in(self, store: Store, kind: str) -> int:
-        """Record this rank (and its host) in ``store`` under this call's generation of ``kind``.
+        """Record this rank (and its host) in ``store``; returns this call's generation.
 
-        The k-th call of every rank shares generation k, so the keys of two
-        blocks in one job never mix.
-
-        Returns:
-            The generation (the same on every rank for their k-th call).
+        Every rank's k-th call of ``kind`` shares generation k, so two blocks' keys never mix.
         """
         generation = int(store.add(f"{_PREFIX}/{kind}/calls/{self.rank}", 1))
         self._keys = [f"{_PREFIX}/{kind}/{generation}/{r}" for r in range(self.world_size)]
@@ -152,10 +142,7 @@ class Deadline:
         return generation
 
     def disarm(self) -> float:
-        """Stop the watchdog; returns the seconds since :meth:`arm`.
-
-        Logs a warning when the deadline passed but the grace period saved the run.
-        """
+        """Stop the watchdog; returns the seconds since :meth:`arm` (warns if past the deadline)."""
         self._done.set()
         if self._thread is not None:
             self._thread.join()
@@ -175,10 +162,9 @@ class Deadline:
     def abort_if_expired(self, error: BaseException) -> None:
         """End the process as on expiry when ``error`` came after the deadline passed.
 
-        A peer that gave up at its own deadline makes this rank's call fail a
-        moment before its own watchdog fires (the rank hosting the store takes
-        it along); that rank must still end with exit code 93, not a traceback.
-        Returns (the caller re-raises) before the deadline or without one.
+        A peer that gave up at its deadline makes this rank's call fail a moment
+        before its own watchdog fires; it must still end with exit code 93, not a
+        traceback. Returns (the caller re-raises) before the deadline.
         """
         if self.seconds is None or self._done.is_set():
             return
@@ -253,18 +239,12 @@ def probe_world(ctx: DistContext) -> None:
 def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None) -> Iterator[None]:
     """Bound a chosen block, and a probe of the world communicator, by a deadline.
 
-    On entry every rank checks in (its rank and host, in the rendezvous store)
-    and runs a probe all-reduce on the world device group, whose int64 sum is
-    verified. If the probe and the block do not finish within the deadline
-    (plus a short grace), a watchdog logs which ranks never checked in, the
-    deadline and how to raise it, and ends the process with
-    ``WORLD_COMM_TIMEOUT_EXIT_CODE`` (93): the stall sits inside a C call
-    that no exception can reach.
-
-    ``distributed()`` already bounds its own start-up (``startup_timeout=``);
-    use this guard for a block you choose, such as a first collective after a
-    long pause. It ends any block that runs past the deadline, so never wrap a
-    whole training job in it.
+    On entry every rank checks in with the rendezvous store and verifies a
+    probe all-reduce. Past the deadline (plus a short grace) a watchdog logs
+    which ranks never checked in and ends the process with
+    ``WORLD_COMM_TIMEOUT_EXIT_CODE`` (93): a stall inside a C call cannot be
+    interrupted. ``distributed()`` bounds its own start-up; use this for a
+    block you choose (never a whole training job: it ends any late block).
 
     .. note:: Every rank of the world must enter it.
 

@@ -1,36 +1,25 @@
 """Object broadcasts: the skeleton in one message, tensors in buckets.
 
-Every function here moves a payload in the ``_payload`` format: the header
-(skeleton, tensor specs, small tensors inline) as one framed message over the
-CPU group (``_wire``; through shared memory on a :func:`~pdist.message_queue`
-group), then the larger tensors as raw bytes, one collective per bucket,
-straight into the memory they are rebuilt from. Before buckets move, the
-ranks agree (``_agree``) that every one of them could decode and allocate;
-so one rank's failure raises on every rank instead of leaving the others in
-a transfer. Receivers accept ``safe=`` (torch's ``weights_only`` allow-list).
+A payload (``_payload``) travels as one framed message over the CPU group
+(``_wire``; shared memory on a :func:`~pdist.message_queue` group), then the
+larger tensors as raw bytes, one collective per bucket, straight into the
+memory they are rebuilt from. Before buckets move the ranks agree (``_agree``)
+that every one could decode and allocate, so one rank's failure raises on
+every rank instead of leaving the others in a transfer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _agree, _wire
+from . import _agree, _payload, _wire
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
-from ._payload import (
-    Fill,
-    bucket_count,
-    decode,
-    encode,
-    place,
-    receive_buffers,
-    staging,
-    tensors_of,
-)
 from ._serialize import Safe, loads, safe_or_error
 
 __all__ = [
@@ -46,21 +35,15 @@ __all__ = [
 DEFAULT_MIN_TENSOR_BYTES = 1024
 """Tensors smaller than this travel inside the header message (see docs/guide/objects.md).
 
-Below ~1 KiB, copying a tensor's bytes into the header costs less than the
-bucket collective it would otherwise need (``python -m pdist bench``).
+Below ~1 KiB, copying a tensor into the header costs less than the bucket collective it needs.
 """
 
 DEFAULT_BUCKET_BYTES = 16 << 20
 """Upper bound of one coalesced bucket (a larger tensor travels alone, uncopied).
 
-Bounded buckets let the source pack bucket k+1 while bucket k is on the wire;
-4 to 32 MiB buckets take the same time, 1 and 2 MiB cost 20-25% more.
+The source packs bucket k+1 while bucket k is on the wire; 4 to 32 MiB buckets
+take the same time, 1 and 2 MiB cost 20-25% more.
 """
-
-_WHOLE = 1 << 62  # gathers move each rank's bytes of one transport as one region
-
-
-# --------------------------------------------------------------------------- broadcast
 
 
 def _broadcast(
@@ -76,47 +59,44 @@ def _broadcast(
 ) -> Any:
     """Broadcast ``obj`` from group index ``src``: the engine of the object broadcasts.
 
-    ``check`` validates ``obj`` on the source; what it raises, or the caller's
-    ``error``, reaches every rank as an error marker (a receiver's ``error``
-    travels through the status when buckets follow, else raises there alone).
-    The source returns ``obj``; receivers the rebuilt object.
+    What ``check`` raises on the source, or the caller's ``error``, reaches every
+    rank (a receiver's travels in the status when buckets follow, else raises
+    there alone). The source returns ``obj``; receivers the rebuilt object.
     """
-    src_global = group.global_rank(src)
+    group.global_rank(src)
     if error is None:
         safe, error = safe_or_error(safe, group.rank)
+    if error is None and check is not None and group.rank_in_group == src:
+        try:
+            check(obj)
+        except Exception as exc:
+            error = exc
     if group.world_size == 1:
         if error is not None:
             raise error
-        if check is not None:
-            check(obj)
         return obj
     transport = group.header_transport
     header = _wire.broadcast_bytes if transport is None else transport.broadcast_bytes
     if group.rank_in_group == src:
-        return _broadcast_out(
-            group, obj, src, src_global, header, check, error, min_tensor_bytes, what
-        )
+        return _broadcast_out(group, obj, src, header, error, min_tensor_bytes, what)
     body = header(group, None, src, what=what)
-    source = f"rank {src_global} (the source of {what})"
-    count = bucket_count(body, source=source)
+    source = f"rank {group.ranks[src]} (the source of {what})"
+    count = _payload.bucket_count(body, source=source)
     failure, decoded, buffers = error, None, []
     if failure is None:
         try:
-            decoded = decode(body, source=source)
-            buffers = receive_buffers(decoded, group.device)
+            decoded = _payload.decode(body, source=source)
+            buffers = _payload.receive_buffers(decoded, group.device)
         except Exception as exc:
             failure = exc
     _agree.settle(group, failure, together=count > 0, what=what)
     assert decoded is not None  # set whenever no failure was raised
-    works = [
-        dist.broadcast(data, src=src_global, group=group.transport(b.kind), async_op=True)
-        for b, data in zip(decoded.buckets, buffers, strict=True)
-    ]
+    works = _broadcasts(group, src, decoded.buckets, buffers)
     # The views are made while the buckets fill; unpickling waits for the data, since a
     # leaf's __setstate__ may read its tensors. A late status says whether every bucket packed.
     late, tensors = None, []
     try:
-        tensors = tensors_of(decoded, buffers, group.device)
+        tensors = _payload.tensors_of(decoded, buffers, group.device)
     except Exception as exc:
         late = exc
     for work in works:
@@ -125,13 +105,24 @@ def _broadcast(
     return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)  # type: ignore[arg-type]
 
 
+def _broadcasts(
+    group: Group,
+    src: int,
+    buckets: Sequence[_payload.Bucket | _payload.Fill],
+    data: Sequence[torch.Tensor],
+) -> list[Any]:
+    """One asynchronous broadcast per bucket, each over its transport."""
+    return [
+        dist.broadcast(flat, src=group.ranks[src], group=group.transport(b.kind), async_op=True)
+        for b, flat in zip(buckets, data, strict=True)
+    ]
+
+
 def _broadcast_out(
     group: Group,
     obj: Any,
     src: int,
-    src_global: int,
     header: Any,
-    check: Callable[[Any], object] | None,
     error: BaseException | None,
     min_tensor_bytes: int,
     what: str,
@@ -140,9 +131,7 @@ def _broadcast_out(
     try:
         if error is not None:
             raise error
-        if check is not None:
-            check(obj)
-        encoded = encode(
+        encoded = _payload.encode(
             obj, group.device, min_tensor_bytes=min_tensor_bytes, bucket_bytes=DEFAULT_BUCKET_BYTES
         )
     except Exception as exc:
@@ -160,9 +149,7 @@ def _broadcast_out(
     works = []
     for i, bucket in enumerate(encoded.buckets):
         assert flat is not None
-        works.append(
-            dist.broadcast(flat, src=src_global, group=group.transport(bucket.kind), async_op=True)
-        )
+        works += _broadcasts(group, src, [bucket], [flat])
         if i + 1 < len(encoded.buckets):
             try:
                 flat = encoded.buffer(i + 1) if failure else encoded.pack(i + 1)
@@ -180,9 +167,7 @@ def broadcast_object(
 ) -> Any:
     """Broadcast a picklable ``obj`` from group index ``src``; every rank returns it.
 
-    Small objects take one collective; dense tensors inside travel as tensors
-    and land on the receiver's device. On a :func:`~pdist.message_queue`
-    group, broadcasts from its first rank send their header through shared memory.
+    Dense tensors inside travel as tensors and land on the receiver's device.
 
     .. note:: All ranks of the group must call it; ``obj`` is ignored on receivers.
 
@@ -190,10 +175,9 @@ def broadcast_object(
         group: The group (a context means its world).
         obj: The object (source only).
         src: Group index of the source (the same valid index on every rank).
-        safe: Receivers only: ``True`` unpickles through an allow-list (builtin
-            containers and scalars, tensors, dtypes, devices); an iterable of
-            classes extends it. Anything else raises :class:`~pdist.PdistError`
-            naming it, without running it.
+        safe: Receivers only: ``True`` unpickles through torch's ``weights_only``
+            allow-list, an iterable of classes extends it; anything else raises
+            :class:`~pdist.PdistError` naming it, without running it.
 
     Returns:
         The source's object (on the source, ``obj`` itself).
@@ -203,26 +187,6 @@ def broadcast_object(
             receiver that refuses or cannot rebuild it.
     """
     return _broadcast(as_group(group), obj, src, safe=safe, what="broadcast_object")
-
-
-def _check_list(object_list: object, min_tensor_bytes: object, rank: int) -> None:
-    if not isinstance(object_list, list):
-        msg = (
-            f"object_list={object_list!r:.80} on rank {rank} must be a list, got "
-            f"{type(object_list).__name__}; pass the items on the source and a list to fill "
-            "on the other ranks (such as [None])"
-        )
-        raise TypeError(msg)
-    if (
-        isinstance(min_tensor_bytes, bool)
-        or not isinstance(min_tensor_bytes, int)
-        or min_tensor_bytes < 0
-    ):
-        msg = (
-            f"min_tensor_bytes={min_tensor_bytes!r:.80} on rank {rank} must be a non-negative "
-            f"int; pass a byte count such as {DEFAULT_MIN_TENSOR_BYTES}"
-        )
-        raise ValueError(msg)
 
 
 def broadcast_object_list(
@@ -236,13 +200,8 @@ def broadcast_object_list(
     """Broadcast ``object_list`` from group index ``src`` into every rank's list, in place.
 
     A drop-in for ``torch.distributed.broadcast_object_list`` that pickles only
-    the skeleton: dense tensors travel as tensors, coalesced into one
-    collective per (transport, 16 MiB) bucket, and arrive as views of the
-    received buckets (CUDA tensors on the receiver's device). Anything
-    picklable travels as with torch: container classes, shared and cyclic
-    structure, ``nn.Parameter``; sparse, quantized, nested and subclass
-    tensors are pickled whole. A payload whose header fits 4 KiB takes one
-    collective in all.
+    the skeleton: dense tensors travel as tensors, coalesced into buckets, and
+    arrive on the receiver's device. Anything picklable travels as with torch.
 
     .. note:: All ranks of the group must call it. Receivers' lists are
        replaced by the source's items (their length may differ).
@@ -257,18 +216,29 @@ def broadcast_object_list(
 
     Raises:
         ValueError: ``src`` is outside the group (on the calling rank only).
-        PdistError: A rank failed (on every rank, naming it; also a
-            ``TypeError`` or ``ValueError`` when its arguments were wrong). A
-            receiver's bad argument raises on that receiver alone when no
-            buckets follow (the others have all they need).
+        PdistError: A rank failed (on every rank, naming it; also a ``TypeError``
+            or ``ValueError`` for a bad argument, which raises on that receiver
+            alone when no buckets follow: the others have all they need).
     """
-    g = as_group(group)
+    g, what = as_group(group), "broadcast_object_list"
     error: BaseException | None = None
-    try:
-        _check_list(object_list, min_tensor_bytes, g.rank)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    what = "broadcast_object_list"
+    if not isinstance(object_list, list):
+        msg = (
+            f"object_list={object_list!r:.80} on rank {g.rank} must be a list, got "
+            f"{type(object_list).__name__}; pass the items on the source and a list to fill "
+            "on the other ranks (such as [None])"
+        )
+        error = TypeError(msg)
+    elif (
+        isinstance(min_tensor_bytes, bool)
+        or not isinstance(min_tensor_bytes, int)
+        or min_tensor_bytes < 0
+    ):
+        msg = (
+            f"min_tensor_bytes={min_tensor_bytes!r:.80} on rank {g.rank} must be a non-negative "
+            f"int; pass a byte count such as {DEFAULT_MIN_TENSOR_BYTES}"
+        )
+        error = ValueError(msg)
     result = _broadcast(
         g, object_list, src, safe=safe, min_tensor_bytes=min_tensor_bytes, error=error, what=what
     )
@@ -281,6 +251,7 @@ def broadcast_object_list(
 
 
 def check_tensor_dict(tensor_dict: object, rank: int) -> Mapping[Any, Any]:
+    """``tensor_dict`` if it is a mapping; else a ``TypeError`` naming ``rank``."""
     if not isinstance(tensor_dict, Mapping):
         msg = (
             f"tensor_dict must be a dict, got {type(tensor_dict).__name__} "
@@ -299,10 +270,6 @@ def broadcast_tensor_dict(
 ) -> dict[Any, Any]:
     """Broadcast a (nested) dict of tensors and other values from group index ``src``.
 
-    The metadata travels in one message (through shared memory on a
-    :func:`~pdist.message_queue` group); CPU tensors then go over the CPU
-    group and device tensors over the device group, in buckets.
-
     .. note:: All ranks of the group must call it; ``tensor_dict`` is ignored on receivers.
 
     Returns:
@@ -313,40 +280,30 @@ def broadcast_tensor_dict(
             dict (also a ``TypeError``) or cannot be encoded.
     """
     g = as_group(group)
+    check = functools.partial(check_tensor_dict, rank=g.rank)
     return _broadcast(  # type: ignore[no-any-return]
-        g,
-        tensor_dict,
-        src,
-        safe=safe,
-        check=lambda d: check_tensor_dict(d, g.rank),
-        what="broadcast_tensor_dict",
+        g, tensor_dict, src, safe=safe, check=check, what="broadcast_tensor_dict"
     )
-
-
-# --------------------------------------------------------------------------- known layouts
 
 
 def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, what: str) -> None:
     """Broadcast ``tensors`` (same shapes and dtypes on every rank) from ``src``, in place.
 
-    Both sides know the layout, so no header travels: the source packs the
-    tensors into buckets per transport, receivers unpack into their own
-    tensors (a lone tensor on its transport's device is received in place).
-    Staging and packing happen before one status, so their failure raises on
-    every rank. The engine of :func:`~pdist.sync_model_states`.
+    Both sides know the layout, so no header travels; staging and packing come
+    before one status, so their failure raises on every rank.
 
     .. note:: All ranks of the group must call it.
     """
-    src_global = group.global_rank(src)
+    group.global_rank(src)
     is_src = group.rank_in_group == src
-    fills: list[Fill] = []
+    fills: list[_payload.Fill] = []
     flats: list[torch.Tensor | None] = []
     buffers: list[torch.Tensor] = []
     failure: BaseException | None = None
     try:
         for t in tensors:
-            place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
-        flats = staging(fills, [f.size for f in fills], receiving=not is_src)
+            _payload.place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
+        flats = _payload.staging(fills, [f.size for f in fills], receiving=not is_src)
         buffers = [
             f.pack(flat) if is_src else f.receive_buffer(flat)
             for f, flat in zip(fills, flats, strict=True)
@@ -355,10 +312,7 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
         failure = exc
     if fills or failure is not None:
         _agree.status(group, failure, what=what)
-    works = [
-        dist.broadcast(buffer, src=src_global, group=group.transport(f.kind), async_op=True)
-        for f, buffer in zip(fills, buffers, strict=True)
-    ]
+    works = _broadcasts(group, src, fills, buffers)
     for work, fill, flat, buffer in zip(works, fills, flats, buffers, strict=True):
         work.wait()
         if flat is not None and not is_src:  # a lone tensor was received in place

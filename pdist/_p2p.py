@@ -2,9 +2,7 @@
 
 The receiver answers the header (``_agree.tell``) before any bucket moves, so
 that its failure to decode or allocate reaches the sender instead of leaving
-it waiting. With an ``all_gather_group`` (a pipeline stage's TP group) each
-sender sends its part of every bucket and the receivers all-gather the rest,
-after agreeing among themselves that every one of them is ready.
+it waiting.
 """
 
 from __future__ import annotations
@@ -65,9 +63,8 @@ def _send_payload(
             pad_to=parts * ALIGN if parts > 1 else 1,
             split=parts,
         )
-        flats = [
-            encoded.pack(i) for i in range(len(encoded.buckets))
-        ]  # a failure goes in the header
+        # Packed before the header, so that a failure travels in it.
+        flats = [encoded.pack(i) for i in range(len(encoded.buckets))]
     except Exception as exc:
         _wire.send_bytes(g, None, peer, error=exc, what=what)
         raise  # unreachable: send_bytes raised
@@ -114,47 +111,36 @@ def _recv_payload(
     checked: Safe = False
     if error is None:
         checked, error = safe_or_error(safe, g.rank)
-    splitting = split is not None and split.world_size > 1
-    count, failure, header_error = 0, error, None
-    decoded: Decoded | None = None
-    buffers: list[torch.Tensor] = []
-    tensors: list[torch.Tensor] = []
+    stage = split if split is not None and split.world_size > 1 else None
     try:
         body = _wire.recv_bytes(g, peer, what=what)
         count = bucket_count(body, source=f"rank {g.ranks[peer]} (the sender of {what})")
-        if failure is None:
-            try:
-                decoded, buffers, tensors = _decoded(g, body, peer, split, what)
-            except Exception as exc:
-                failure = exc
     except PdistError as exc:  # the sender failed, or sent no pdist payload
-        if not splitting:
-            raise
-        header_error = exc
-    if splitting:
-        assert split is not None
-        failure = _agree_split(split, decoded, failure or header_error, what)
-        if header_error is not None:
-            raise header_error
-    _settle_peer(g, peer, failure, count > 0, what)
+        if stage is not None:  # the other receivers of the stage raise too
+            _agree_split(stage, None, error or exc, what)
+        raise
+    decoded: Decoded | None = None
+    buffers: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
+    failure = error
+    if failure is None:
+        try:
+            decoded, buffers, tensors = _decoded(g, body, peer, split, what)
+        except Exception as exc:
+            failure = exc
+    if stage is not None:
+        failure = _agree_split(stage, decoded, failure, what)
+    if count > 0:  # the sender waits for this rank's answer only when buckets follow
+        _agree.tell(g, peer, failure, what=what)
+    elif failure is not None:
+        _agree.raise_own(g, failure, what)
     assert decoded is not None
     for bucket, data in zip(decoded.buckets, buffers, strict=True):
         part = _part(data, split)
         dist.recv(part, src=g.ranks[peer], group=g.transport(bucket.kind))
-        if splitting:
-            assert split is not None
-            all_gather_into(data, part, split.transport(bucket.kind))
+        if stage is not None:
+            all_gather_into(data, part, stage.transport(bucket.kind))
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)
-
-
-def _settle_peer(
-    g: Group, peer: int, failure: BaseException | None, buckets: bool, what: str
-) -> None:
-    """A receiver tells its sender when buckets follow; else only it raises (nobody waits)."""
-    if buckets:
-        _agree.tell(g, peer, failure, what=what)
-    elif failure is not None:
-        _agree.raise_own(g, failure, what)
 
 
 def _agree_split(
@@ -184,9 +170,8 @@ def _agree_split(
 def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
     """Send a picklable ``obj`` to group index ``dst``, which calls :func:`recv_object`.
 
-    Dense tensors of at least 1 KiB travel as tensors after the header, once
-    the receiver answered that it can take them. If ``obj`` cannot be pickled,
-    the receiver raises too, and so does the sender.
+    Dense tensors travel as tensors, after the receiver answered that it can
+    take them. If ``obj`` cannot be pickled, the receiver raises too.
 
     Args:
         group: The group (a context means its world).
@@ -245,11 +230,9 @@ def send_tensor_dict(
 ) -> None:
     """Send a (nested) dict of tensors to group index ``dst`` (default: the next rank).
 
-    With ``all_gather_group`` of size k (e.g. the TP group of a pipeline
-    stage), this rank sends only its 1/k of every bucket and the receivers,
-    who pass their own ``all_gather_group``, all-gather the rest. If
-    ``tensor_dict`` is not a dict or cannot be encoded, the receiver raises
-    too (with ``all_gather_group``, the whole receiving stage).
+    With ``all_gather_group`` of size k (a pipeline stage's TP group), this rank
+    sends only its 1/k of every bucket and the receivers all-gather the rest. If
+    ``tensor_dict`` is not a dict or cannot be encoded, the receivers raise too.
 
     .. note:: The destination must call :func:`recv_tensor_dict` with a
        matching ``all_gather_group`` size.
@@ -274,10 +257,9 @@ def recv_tensor_dict(
 ) -> dict[Any, Any]:
     """Receive the dict group index ``src`` (default: the previous rank) sent.
 
-    With ``all_gather_group``, each rank receives its part of every bucket in
-    place and the group all-gathers the rest; the receivers of the group
-    first agree that every one of them is ready and got the same layout, so
-    that one receiver's failure raises on all of them (and on their senders).
+    With ``all_gather_group``, each rank receives its part of every bucket and
+    the group all-gathers the rest, after the receivers agree that all are
+    ready (one receiver's failure raises on all of them and their senders).
 
     .. note:: Every receiver of a stage must pass the stage's
        ``all_gather_group``: one that passes None or another group raises, but

@@ -1,24 +1,20 @@
 """The object wire format: prefix, header, skeleton, inline bytes; tensors in buckets.
 
-``encode`` pickles an object with its dense tensors (and the storages of
-tensors pickled whole) set aside (``_serialize``). Tensors below
-``min_tensor_bytes`` travel inline, as bytes in the body; the others are
-packed, as raw bytes, into buckets per transport kind (``"cpu"``: over the
-CPU group; ``"device"``: over the device group, on the group's device), each
-bounded by ``bucket_bytes`` (a larger tensor gets a bucket of its own and is
-sent without a copy). Receivers rebuild tensors as views of the received
-buckets; non-CPU tensors land on the receiver's device, never the sender's.
+``encode`` pickles an object with its tensors set aside (``_serialize``).
+Tensors below ``min_tensor_bytes`` travel inline in the body; the others as
+raw bytes in buckets per transport kind (``"cpu"``: the CPU group;
+``"device"``: the device group, on the group's device), each bounded by
+``bucket_bytes`` (a larger tensor travels alone, uncopied). Receivers rebuild
+tensors as views of the received buckets, on the receiver's device.
 
-Body: ``[prefix][header][skeleton][inline blob]``. Nothing before the
-skeleton is pickle: the prefix is a struct ``(magic, header length, bucket
-count)``, so a receiver knows whether buckets follow before it decodes
-anything else; the header is JSON ``{"s": skeleton length, "d": [dtype
-names], "b": [[kind, nbytes], ...], "t": [[dtype index, flags, bucket or -1
-for inline, byte offset, [shape]], ...], "z": 1 when a status follows the
-buckets, "k": in how many parts each bucket travels}``. Every field a peer
-sends is checked before use; a malformed one raises :class:`~pdist.PdistError`.
-
-This module is the format only: it moves nothing and knows no process group.
+Body: ``[prefix][header][skeleton][inline blob]``. The prefix is a struct
+``(magic, header length, bucket count)``; the header is JSON ``{"s": skeleton
+length, "d": [dtype names], "b": [[kind, nbytes], ...], "t": [[dtype index,
+flags, bucket or -1 for inline, byte offset, [shape]], ...], "z": 1 when a
+status follows the buckets, "k": in how many parts each bucket travels}``.
+Nothing before the skeleton is pickle, and every field a peer sends is
+checked before use (a malformed one raises :class:`~pdist.PdistError`). This
+module moves nothing and knows no process group.
 """
 
 from __future__ import annotations
@@ -103,10 +99,9 @@ def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 class Fill:
     """Tensors laid out in one bucket (at aligned byte offsets), packed on demand.
 
-    ``tensors`` are what is sent (on the transport's device, conjugation and
-    negation resolved); ``targets`` are where :meth:`unpack` writes received
-    data (the original tensors); ``aliased[i]`` says whether ``tensors[i]`` is
-    ``targets[i]``'s own memory.
+    ``tensors`` are what is sent (on the transport's device, resolved);
+    ``targets`` the original tensors :meth:`unpack` writes into;
+    ``aliased[i]``: ``tensors[i]`` is ``targets[i]``'s own memory.
     """
 
     kind: str
@@ -165,12 +160,10 @@ class Fill:
 def place(
     fills: list[Fill], t: torch.Tensor, device: torch.device, bucket_bytes: int
 ) -> tuple[int, int]:
-    """Put ``t`` into the open bucket of its transport, opening a new one when full.
+    """Put ``t`` into the open bucket of its transport: ``(bucket index, byte offset)``.
 
     CPU tensors (and everything on a CPU group) go over the CPU group, others
-    over the device group, on ``device``; a tensor elsewhere is sent from a
-    copy, and :meth:`Fill.unpack` writes received data back into ``t``.
-    Returns ``(bucket index, byte offset)``.
+    over the device group, on ``device``; a tensor elsewhere travels as a copy.
     """
     alias = not (t.is_conj() or t.is_neg())
     data = t if alias else resolved(t)
@@ -186,34 +179,37 @@ def place(
     return index, fills[index].add(data, t, alias=alias)
 
 
+def _slabs(
+    places: Sequence[tuple[str, torch.device] | None], sizes: Sequence[int], what: str
+) -> list[torch.Tensor | None]:
+    """Buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind (None: none)."""
+    out: list[torch.Tensor | None] = [None] * len(sizes)
+    for kind in KINDS:
+        members = [(i, p[1]) for i, p in enumerate(places) if p is not None and p[0] == kind]
+        if members:
+            flats = slab([sizes[i] for i, _ in members], members[0][1], what=what)
+            for (i, _), flat in zip(members, flats, strict=True):
+                out[i] = flat
+    return out
+
+
 def staging(
     fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False
 ) -> list[torch.Tensor | None]:
-    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes), one slab per transport.
-
-    A lone tensor's bucket travels in place and gets None.
-    """
-    out: list[torch.Tensor | None] = [None] * len(fills)
-    for kind in KINDS:
-        copied = [
-            i
-            for i, f in enumerate(fills)
-            if f.kind == kind and not f.lone(sizes[i], receiving=receiving)
-        ]
-        if copied:
-            flats = slab([sizes[i] for i in copied], fills[copied[0]].device, what="staging")
-            for i, flat in zip(copied, flats, strict=True):
-                out[i] = flat
-    return out
+    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's."""
+    places = [
+        None if f.lone(n, receiving=receiving) else (f.kind, f.device)
+        for f, n in zip(fills, sizes, strict=True)
+    ]
+    return _slabs(places, sizes, "staging")
 
 
 @attrs.define
 class Encoded:
     """A message body and the buckets that follow it (source side).
 
-    ``late_status``: a bucket after the first is packed by copying, so a
-    broadcast that packs it while the previous one is on the wire reports the
-    packing's status after the buckets.
+    ``late_status``: a later bucket is packed (while the previous one is on the
+    wire), so a status of that packing follows the buckets.
     """
 
     body: bytes
@@ -250,9 +246,8 @@ def encode(
 ) -> Encoded:
     """Encode ``obj`` for the group whose device is ``device``.
 
-    ``min_tensor_bytes=None`` sends every tensor inline. Bucket sizes are
-    padded to a multiple of ``pad_to``; ``split`` tells the receiver in how
-    many parts each bucket travels.
+    ``min_tensor_bytes=None`` sends every tensor inline. Buckets are padded to
+    a multiple of ``pad_to`` and travel in ``split`` parts.
     """
     skeleton, entries = dumps(obj)
     dtypes: dict[str, int] = {}
@@ -349,24 +344,10 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
     return header, start
 
 
-def _kind(code: int, flags: int, dtypes: list[torch.dtype], r: object, source: str) -> int:
-    """The itemsize of a tensor record's dtype, after checking what its flags claim."""
-    if not (0 <= code < len(dtypes) and 0 <= flags < 16):
-        raise _corrupt(source, f"tensor record {r!r:.120}")
-    dtype = dtypes[code]
-    if flags & STORAGE and (dtype != torch.uint8 or flags & (GRAD | PARAM)):
-        raise _corrupt(source, f"storage record {r!r:.120}")
-    if flags & GRAD and not (dtype.is_floating_point or dtype.is_complex):
-        raise _corrupt(source, f"requires_grad on a {dtype} tensor in {r!r:.120}")
-    if dtype not in _VIEWABLE:
-        raise _corrupt(source, f"a {dtype} tensor travelling as bytes in {r!r:.120}")
-    return dtype.itemsize
-
-
 def _record(
-    r: object, count: int, dtypes: list[torch.dtype], blob: int, source: str
-) -> tuple[int, int, int, int, list[int], int]:
-    """``(code, flags, bucket, offset, shape, nbytes)`` of one tensor record, checked."""
+    r: object, count: int, names: list[str], dtypes: list[torch.dtype], blob: int, source: str
+) -> tuple[TensorSpec, bool, tuple[int, int], int]:
+    """``(spec, is a storage, (bucket, offset), end)`` of one tensor record, checked."""
     if type(r) is not list or len(r) != 5:
         raise _corrupt(source, f"tensor record {r!r:.120}")
     code, flags, bucket, offset, shape = r
@@ -377,16 +358,25 @@ def _record(
         and 0 <= offset < _INT64
         and len(shape) <= _MAX_DIMS
         and all(type(d) is int and 0 <= d < _INT64 for d in shape)
+        and 0 <= code < len(dtypes)
+        and 0 <= flags < 16
     ):
         raise _corrupt(source, f"tensor record {r!r:.120}")
-    nbytes = math.prod(shape) * _kind(code, flags, dtypes, r, source)
-    if flags & STORAGE and len(shape) != 1:
+    dtype = dtypes[code]
+    if flags & STORAGE and (dtype != torch.uint8 or flags & (GRAD | PARAM) or len(shape) != 1):
         raise _corrupt(source, f"storage record {r!r:.120}")
+    if flags & GRAD and not (dtype.is_floating_point or dtype.is_complex):
+        raise _corrupt(source, f"requires_grad on a {dtype} tensor in {r!r:.120}")
+    if dtype not in _VIEWABLE:
+        raise _corrupt(source, f"a {dtype} tensor travelling as bytes in {r!r:.120}")
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= _INT64:
         raise _corrupt(source, f"tensor record {r!r:.120} of {nbytes} bytes")
     if bucket < 0 and offset + nbytes > blob:
         raise _corrupt(source, f"inline tensor {r!r:.120} past the end of the body")
-    return code, flags, bucket, offset, shape, nbytes
+    device = "device" if flags & DEVICE else "cpu"
+    spec = TensorSpec(names[code], tuple(shape), device, bool(flags & GRAD), bool(flags & PARAM))
+    return spec, bool(flags & STORAGE), (bucket, offset), offset + nbytes
 
 
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
@@ -400,19 +390,12 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         blob = body[start + header["s"] :]
         specs, storage, places, ends = [], [], [], [-1] * count
         for r in header["t"]:
-            code, flags, bucket, offset, shape, nbytes = _record(
-                r, count, dtypes, len(blob), source
-            )
-            if bucket >= 0:
-                ends[bucket] = max(ends[bucket], offset + nbytes)
-            device = "device" if flags & DEVICE else "cpu"
-            specs.append(
-                TensorSpec(
-                    names[code], tuple(shape), device, bool(flags & GRAD), bool(flags & PARAM)
-                )
-            )
-            storage.append(bool(flags & STORAGE))
-            places.append((bucket, offset))
+            spec, is_storage, place, end = _record(r, count, names, dtypes, len(blob), source)
+            if place[0] >= 0:
+                ends[place[0]] = max(ends[place[0]], end)
+            specs.append(spec)
+            storage.append(is_storage)
+            places.append(place)
     except RecursionError:  # JSON nested past the interpreter's limit (parsing or printing it)
         raise _corrupt(source, "the header nests too deeply") from None
     # A bucket is as large as its tensors, padded to under split * ALIGN bytes more (``encode``):
@@ -431,26 +414,15 @@ def receive_buffers(decoded: Decoded, device: torch.device) -> list[torch.Tensor
     Raises:
         PdistError: They cannot be allocated (out of memory).
     """
-    out: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(decoded.buckets)
-    for kind in KINDS:
-        members = [i for i, b in enumerate(decoded.buckets) if b.kind == kind]
-        if members:
-            sizes = [decoded.buckets[i].nbytes for i in members]
-            target = transport_device(kind, device)
-            for i, flat in zip(
-                members, slab(sizes, target, what="the received tensors"), strict=True
-            ):
-                out[i] = flat
-    return out
+    places = [(b.kind, transport_device(b.kind, device)) for b in decoded.buckets]
+    sizes = [b.nbytes for b in decoded.buckets]
+    return _slabs(places, sizes, "the received tensors")  # type: ignore[return-value]  # no None
 
 
 def _slices(
     bucket: torch.Tensor, dtype: torch.dtype, places: list[tuple[int, int]]
 ) -> list[torch.Tensor]:
-    """Flat ``dtype`` views of ``bucket`` at ``(byte offset, elements)`` places, in one call.
-
-    The places must be increasing and not overlap (as ``Fill.add`` lays them out).
-    """
+    """Flat ``dtype`` views of ``bucket`` at increasing ``(byte offset, elements)``, in one call."""
     size = dtype.itemsize
     typed = bucket[: bucket.numel() // size * size].view(dtype)
     sizes, position = [], 0

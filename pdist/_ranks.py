@@ -1,11 +1,8 @@
 """Rank helpers: ``is_rank0``, ``is_local_rank0``, ``rank0_only``, ``rank0_first``, ``barrier``.
 
 ``rank0_only`` and ``rank0_first`` come in two forms, told apart by their one
-argument: a callable is decorated directly (the wrapped function takes the
-context first, ``@rank0_only``), while a ``DistContext`` or ``Group`` makes a
-decorator for any callable (``@rank0_only(ctx)``): methods, zero-argument
-callbacks, functions that never see the context. Neither a context nor a
-group is callable, so the two forms cannot be confused.
+argument: a callable is decorated directly (it takes the context first), while
+a ``DistContext`` or ``Group`` (never callable) makes a decorator for any callable.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Concatenate, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 import torch.distributed as dist
 
@@ -25,10 +22,6 @@ __all__ = ["barrier", "is_local_rank0", "is_rank0", "rank0_first", "rank0_only"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-# The factory form's decorator is generic on its own: it is made inside a function
-# that binds P and R already.
-Q = ParamSpec("Q")
-T = TypeVar("T")
 
 
 class Rank0OnlyDecorator(Protocol):
@@ -50,9 +43,8 @@ class Rank0FirstDecorator(Protocol):
 def is_rank0(ctx: DistContext | Group) -> bool:
     """Whether the caller is rank 0: of the job for a context, of the group for a group.
 
-    Given a group, it answers for the group's first rank, the rank
-    ``@rank0_only(group)`` runs on (``is_rank0(ctx.tp)`` is true on every tp
-    group's first rank). No collective.
+    ``is_rank0(ctx.tp)`` is true on every tp group's first rank, where
+    ``@rank0_only(ctx.tp)`` runs. No collective.
     """
     if isinstance(ctx, Group):
         return ctx.rank_in_group == 0
@@ -60,12 +52,9 @@ def is_rank0(ctx: DistContext | Group) -> bool:
 
 
 def is_local_rank0(ctx: DistContext) -> bool:
-    """Whether the caller is the first rank of its host (no collective).
+    """Whether the caller is the first rank of its host, in ``ctx.node`` (no collective).
 
-    The host's ranks are ``ctx.node``, found through shared memory when the
-    context was built; under torchrun and SLURM its first rank is the one with
-    ``LOCAL_RANK`` 0. Use it for work done once per machine (a download to
-    local disk, a cache fill).
+    For work done once per machine (a download to local disk, a cache fill).
 
     Raises:
         TypeError: ``ctx`` is not a :class:`~pdist.DistContext`.
@@ -90,26 +79,6 @@ def _name(fn: object) -> str:
     return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn))
 
 
-def _neither(decorator: str, arg: object) -> TypeError:
-    msg = (
-        f"{decorator}({arg!r}): pass a DistContext or Group (@pdist.{decorator}(ctx), for any "
-        f"callable) or decorate a function that takes the ctx first (@pdist.{decorator})"
-    )
-    return TypeError(msg)
-
-
-def _ctx_arg(decorator: str, fn: object, ctx: object) -> Group:
-    """The group of the direct form's first argument, with a message that says what to do."""
-    if isinstance(ctx, (DistContext, Group)):
-        return as_group(ctx)
-    msg = (
-        f"{_name(fn)} is decorated with @pdist.{decorator}, so its first argument must be a "
-        f"DistContext or Group, got {ctx!r}; for a method or a function without a ctx "
-        f"argument use the factory form @pdist.{decorator}(ctx)"
-    )
-    raise TypeError(msg)
-
-
 def _first_then_others(group: Group, what: str, call: Callable[[], R]) -> R:
     """Run ``call`` on the group's first rank, then on the others; fail together."""
     if group.world_size == 1:
@@ -128,6 +97,50 @@ def _first_then_others(group: Group, what: str, call: Callable[[], R]) -> R:
     return call()
 
 
+def _first_only(group: Group, what: str, call: Callable[[], R]) -> R | None:
+    return call() if group.rank_in_group == 0 else None
+
+
+def _decorator(
+    name: str, fn_or_ctx: object, run: Callable[[Group, str, Callable[[], Any]], Any]
+) -> Any:
+    """Both forms of the decorator ``name``: ``run(group, what, call)`` makes each call."""
+    if isinstance(fn_or_ctx, (DistContext, Group)):
+        bound = as_group(fn_or_ctx)
+
+        def decorate(fn: Callable[..., Any], /) -> Callable[..., Any]:
+            what = f"{name}({_name(fn)})"
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return run(bound, what, lambda: fn(*args, **kwargs))
+
+            return wrapper
+
+        return decorate
+    if not callable(fn_or_ctx):
+        msg = (
+            f"{name}({fn_or_ctx!r}): pass a DistContext or Group (@pdist.{name}(ctx), for any "
+            f"callable) or decorate a function that takes the ctx first (@pdist.{name})"
+        )
+        raise TypeError(msg)
+    fn = fn_or_ctx
+    what = f"{name}({_name(fn)})"
+
+    @functools.wraps(fn)
+    def direct(ctx: object, /, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(ctx, (DistContext, Group)):
+            msg = (
+                f"{_name(fn)} is decorated with @pdist.{name}, so its first argument must be a "
+                f"DistContext or Group, got {ctx!r}; for a method or a function without a ctx "
+                f"argument use the factory form @pdist.{name}(ctx)"
+            )
+            raise TypeError(msg)
+        return run(as_group(ctx), what, lambda: fn(ctx, *args, **kwargs))
+
+    return direct
+
+
 @overload
 def rank0_only(fn_or_ctx: DistContext | Group, /) -> Rank0OnlyDecorator: ...
 
@@ -143,15 +156,10 @@ def rank0_only(
 ) -> Rank0OnlyDecorator | Callable[Concatenate[DistContext, P], R | None]:
     """Decorator: run a function on one rank only; the other ranks get None.
 
-    Two forms:
-
-    - ``@rank0_only`` on a function whose first argument is the context (or a
-      group): it runs on that group's first rank, global rank 0 for a context.
-    - ``@rank0_only(ctx_or_group)`` on any callable (a method, a callback with
-      no arguments): it runs on the first rank of the given group, global rank
-      0 for a context.
-
-    No collective is involved, so the other ranks do not wait for it.
+    ``@rank0_only`` on a function whose first argument is the context (or a
+    group) runs it on that group's first rank (global rank 0 for a context);
+    ``@rank0_only(ctx_or_group)`` does the same for any callable (a method, a
+    callback). No collective is involved, so the other ranks do not wait.
 
     Example::
 
@@ -163,28 +171,7 @@ def rank0_only(
         TypeError: The argument is neither a callable nor a context or group,
             or (direct form) the wrapped function's first argument is not one.
     """
-    if isinstance(fn_or_ctx, (DistContext, Group)):
-        first = as_group(fn_or_ctx).rank_in_group == 0
-
-        def decorate(fn: Callable[Q, T], /) -> Callable[Q, T | None]:
-            @functools.wraps(fn)
-            def wrapper(*args: Q.args, **kwargs: Q.kwargs) -> T | None:
-                return fn(*args, **kwargs) if first else None
-
-            return wrapper
-
-        return decorate
-    if not callable(fn_or_ctx):
-        raise _neither("rank0_only", fn_or_ctx)
-    fn = fn_or_ctx
-
-    @functools.wraps(fn)
-    def direct(ctx: DistContext, /, *args: P.args, **kwargs: P.kwargs) -> R | None:
-        if _ctx_arg("rank0_only", fn, ctx).rank_in_group != 0:
-            return None
-        return fn(ctx, *args, **kwargs)
-
-    return direct
+    return _decorator("rank0_only", fn_or_ctx, _first_only)  # type: ignore[no-any-return]
 
 
 @overload
@@ -202,52 +189,16 @@ def rank0_first(
 ) -> Rank0FirstDecorator | Callable[Concatenate[DistContext, P], R]:
     """Decorator: run a function on the first rank, then on every other rank.
 
-    For work that one rank must do before the others can (a download, a cache
-    fill). Two forms, as for :func:`rank0_only`:
-
-    - ``@rank0_first`` on a function whose first argument is the context (or a
-      group): the first rank of that group goes first.
-    - ``@rank0_first(ctx_or_group)`` on any callable (a method, a callback with
-      no arguments): the first rank of the given group goes first.
-
-    If the first rank raises, every other rank raises
-    :class:`~pdist.PdistError` naming its error instead of waiting.
+    For work one rank must do before the others can (a download, a cache fill),
+    in the two forms of :func:`rank0_only`. If the first rank raises, every
+    other rank raises :class:`~pdist.PdistError` naming its error instead of waiting.
 
     .. note:: Every rank of the group (the world, for a context) must call the
        wrapped function.
-
-    Example::
-
-        @pdist.rank0_first(ctx)
-        def fetch_weights():
-            return download(url, cache_dir)
 
     Raises:
         TypeError: The argument is neither a callable nor a context or group,
             or (direct form) the wrapped function's first argument is not one.
         PdistError: On the other ranks, when the first rank's call raised.
     """
-    if isinstance(fn_or_ctx, (DistContext, Group)):
-        bound = as_group(fn_or_ctx)
-
-        def decorate(fn: Callable[Q, T], /) -> Callable[Q, T]:
-            what = f"rank0_first({_name(fn)})"
-
-            @functools.wraps(fn)
-            def wrapper(*args: Q.args, **kwargs: Q.kwargs) -> T:
-                return _first_then_others(bound, what, lambda: fn(*args, **kwargs))
-
-            return wrapper
-
-        return decorate
-    if not callable(fn_or_ctx):
-        raise _neither("rank0_first", fn_or_ctx)
-    fn = fn_or_ctx
-    what = f"rank0_first({_name(fn)})"
-
-    @functools.wraps(fn)
-    def direct(ctx: DistContext, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        world = _ctx_arg("rank0_first", fn, ctx)
-        return _first_then_others(world, what, lambda: fn(ctx, *args, **kwargs))
-
-    return direct
+    return _decorator("rank0_first", fn_or_ctx, _first_then_others)  # type: ignore[no-any-return]

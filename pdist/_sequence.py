@@ -34,20 +34,13 @@ def ulysses_attention(
 ) -> Callable[..., torch.Tensor]:
     """Wrap ``attention(q, k, v, ...)`` for Ulysses sequence parallelism over ``group``.
 
-    Each rank holds a chunk of the sequence (rank ``i`` of the group the
-    ``i``-th of equal chunks). The returned function trades q, k and v for
-    the full sequence and ``1/P`` of the heads (one ``all_to_all_4d``, or
-    two when k and v have fewer heads than q), runs ``attention`` on that,
-    and trades the output back, so each rank gets the attention output for
-    its own sequence chunk and all heads, equal to the matching slice of
-    attention over the whole sequence. Differentiable (the backward is the
-    inverse exchange). The group travels inside the returned function, so
-    a model needs no module-level global to reach it.
-
-    Arguments after ``q, k, v`` reach ``attention`` unchanged, so they must
-    hold for the full sequence and this rank's heads (``is_causal=True``, a
-    scale, dropout, a mask that broadcasts over heads); the output must be
-    one tensor in the same layout.
+    Rank ``i`` holds the ``i``-th of equal chunks of the sequence. The wrapped
+    function trades q, k and v for the full sequence and ``1/P`` of the heads
+    (one ``all_to_all_4d``, two for grouped-query attention), runs
+    ``attention``, and trades the output back: each rank gets the output for
+    its own chunk and all heads, the matching slice of attention over the whole
+    sequence. Differentiable. Arguments after ``q, k, v`` reach ``attention``
+    unchanged, so they must hold for the full sequence and this rank's heads.
 
     Example (on 2 ranks, ``[B, H, S/2, D]`` per rank)::
 
@@ -59,18 +52,16 @@ def ulysses_attention(
 
     Args:
         group: The sequence-parallel group (a context means its world).
-        attention: ``attention(q, k, v, *args, **kwargs) -> out``, with
-            ``q``, ``k``, ``v`` and ``out`` in ``layout``.
-        layout: The dims of q, k, v and the output: ``"bhsd"`` (SDPA,
-            transformers, the default), ``"bshd"`` (flash-attn), ``"sbhd"``...
+        attention: ``attention(q, k, v, *args, **kwargs) -> out``, all in ``layout``.
+        layout: The dims of q, k, v and the output: ``"bhsd"`` (SDPA, the
+            default), ``"bshd"`` (flash-attn), ``"sbhd"``...
 
     Returns:
         ``wrapped(q, k, v, *args, **kwargs)``, same signature as ``attention``.
 
     Raises:
         ValueError: ``layout`` is not a permutation of ``"bshd"``; when called,
-            the group size does not divide the heads of q, k or v, or the
-            tensors are not 4-D (before any collective).
+            the group size does not divide the heads, or a tensor is not 4-D.
         TypeError: When called, ``attention`` returned something other than a tensor.
     """
     batch_dim, seq_dim, heads_dim = _layout_dims(layout)

@@ -1,19 +1,14 @@
 """Pickling with dense tensors taken out, and unpickling through an optional allow-list.
 
-:func:`dumps` pickles any picklable object with a pickler whose
-``persistent_id`` takes dense strided tensors (plain tensors and
-``nn.Parameter``, on a real device) out into a side list, so that transports
-can move their bytes as tensors and rebuild them on the receiver's device.
-Everything else is left to pickle, so containers keep their classes, cycles
-and sharing: sparse, quantized, nested and subclass tensors are pickled whole
-by torch's own reductions, and the storages those reductions pickle are taken
-out too (as raw bytes). Repeated references to one tensor or storage get one
-id, so identity survives the trip.
-
-Persistent ids are ``("storage", i)`` (entry ``i`` is a dense tensor),
-``("storage", "u", i)`` (an untyped storage) and ``("storage", "s", i,
-dtype)`` (a typed storage). Pickles use protocol 2, the one torch's
-``weights_only`` unpickler (reused for ``safe=True``) reads.
+:func:`dumps` takes dense strided tensors (plain tensors and ``nn.Parameter``)
+out of the pickle into a side list, so that transports move them as tensors.
+Everything else is left to pickle (classes, cycles and sharing survive):
+sparse, quantized, nested and subclass tensors are pickled whole by torch, and
+the storages those reductions pickle are taken out too, as raw bytes. One
+tensor or storage referenced twice gets one id. Persistent ids are
+``("storage", i)`` (a dense tensor), ``("storage", "u", i)`` (an untyped
+storage) and ``("storage", "s", i, dtype)`` (a typed one); pickles use protocol
+2, the one torch's ``weights_only`` unpickler (``safe=True``) reads.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ __all__ = [
     "Entry",
     "Safe",
     "TensorSpec",
-    "check_safe",
     "dtype_name",
     "dtype_of",
     "dumps",
@@ -72,11 +66,7 @@ def dtype_of(name: object) -> torch.dtype:
 
 
 class TensorSpec(NamedTuple):
-    """What a receiver needs to rebuild one tensor from its bytes.
-
-    ``device_type`` is ``"cpu"`` for tensors that stay on the CPU; anything
-    else means the tensor lands on the receiver's device.
-    """
+    """What a receiver needs to rebuild one tensor (not ``"cpu"``: on the receiver's device)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -106,10 +96,7 @@ def shaped(spec: TensorSpec, flat: torch.Tensor) -> torch.Tensor:
 
 
 class Entry(NamedTuple):
-    """One thing :func:`dumps` took out of the pickle: a dense tensor, or a storage's bytes.
-
-    For a storage, ``tensor`` is a flat uint8 tensor over the storage's bytes.
-    """
+    """What :func:`dumps` took out: a dense tensor, or a storage's bytes (a flat uint8 tensor)."""
 
     tensor: torch.Tensor
     is_storage: bool
@@ -126,13 +113,6 @@ def _extracted(t: torch.Tensor) -> bool:
         and not (t.is_quantized or t.is_nested or t.is_meta)
         and not t.__dict__  # attributes set on a tensor are kept by torch's own reduction
     )
-
-
-def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-_STORAGES = (torch.storage.TypedStorage, torch.UntypedStorage)
 
 
 class _Pickler(pickle.Pickler):
@@ -154,7 +134,7 @@ class _Pickler(pickle.Pickler):
                 self.entries.append(Entry(obj, False))
                 self._alive.append(obj)
             return ("storage", index)
-        if isinstance(obj, _STORAGES):
+        if isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
             if isinstance(obj, torch.storage.TypedStorage):
                 return ("storage", "s", self._storage(obj._untyped_storage), _NAMES[obj.dtype])
             return ("storage", "u", self._storage(obj))
@@ -164,7 +144,8 @@ class _Pickler(pickle.Pickler):
         index = self._storages.get(untyped._cdata)
         if index is None:
             index = self._storages[untyped._cdata] = len(self.entries)
-            self.entries.append(Entry(_storage_bytes(untyped), True))
+            flat = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
+            self.entries.append(Entry(flat, True))
             self._alive.append(untyped)
         return index
 
@@ -193,32 +174,20 @@ def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
     return buf.getvalue(), pickler.entries
 
 
-def check_safe(safe: object, rank: int) -> Safe:
-    """``safe`` if it is a valid ``safe=`` argument (classes listed as a tuple).
-
-    Raises:
-        TypeError: ``safe`` is neither a bool nor an iterable of classes.
-    """
+def safe_or_error(safe: object, rank: int) -> tuple[Safe, TypeError | None]:
+    """A valid ``safe=`` (classes as a tuple) and None, or False and the error for the peers."""
     if isinstance(safe, bool):
-        return safe
+        return safe, None
     fix = "pass safe=True, safe=False, or an iterable of classes such as safe=[MyConfig]"
     if isinstance(safe, (str, bytes)) or not isinstance(safe, Iterable):
         msg = f"safe={safe!r:.80} on rank {rank} is not a bool or an iterable of classes; {fix}"
-        raise TypeError(msg)
+        return False, TypeError(msg)
     classes = tuple(safe)
     bad = [c for c in classes if not isinstance(c, type)]
     if bad:
         msg = f"safe= on rank {rank} lists {bad[0]!r:.80}, which is not a class; {fix}"
-        raise TypeError(msg)
-    return classes
-
-
-def safe_or_error(safe: object, rank: int) -> tuple[Safe, TypeError | None]:
-    """:func:`check_safe`'s result and None, or False and its error (to send to the peers)."""
-    try:
-        return check_safe(safe, rank), None
-    except TypeError as exc:
-        return False, exc
+        return False, TypeError(msg)
+    return classes, None
 
 
 def _persistent_loader(
@@ -257,65 +226,30 @@ def _persistent_loader(
     return load, untyped
 
 
-def _check_storages(
-    entries: Sequence[torch.Tensor], untyped: dict[int, torch.UntypedStorage]
-) -> None:
-    """Refuse a skeleton that rebuilt a tensor larger than the storage that travelled.
-
-    torch's rebuild functions grow a storage that is too small for the
-    tensor set on it (with uninitialized memory) instead of failing.
-    """
-    for index, found in untyped.items():
-        sent = entries[index].numel()
-        if found.nbytes() != sent:
-            msg = (
-                f"a received tensor needs {found.nbytes()} bytes of a storage of which {sent} "
-                "travelled; the sender's payload is corrupt"
-            )
-            raise PdistError(msg)
-
-
 # Torch queues every sparse tensor it unpickles in one module-level list, to be validated
 # after loading; pdist validates the ones its own loads queued (a reentrant lock keeps
 # concurrent pdist loads from taking each other's).
 _SPARSE_LOCK = threading.RLock()
 
 
-def _validate_sparse(tensors: list[torch.Tensor]) -> None:
-    """Check sparse tensors' invariants (indices in range...); an invalid one raises PdistError."""
-    for t in tensors:
-        try:
-            _compat.validate_sparse(t)
-        except PdistError:
-            raise
-        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            msg = f"a received sparse tensor is invalid: {exc}"
-            raise PdistError(msg) from None
-
-
 def loads(
     data: bytes,
     entries: Sequence[torch.Tensor],
-    storage: Sequence[bool] | None = None,
+    storage: Sequence[bool],
     *,
     safe: Safe = False,
 ) -> Any:
     """Unpickle a skeleton from :func:`dumps`, substituting ``entries`` for its persistent ids.
 
-    ``storage[i]`` says whether entry ``i`` holds a storage's bytes (a flat
-    uint8 tensor) rather than a tensor (default: all tensors).
+    ``storage[i]``: entry ``i`` holds a storage's bytes (else a tensor).
+    With ``safe``, through torch's ``weights_only`` allow-list plus the classes
+    ``safe`` lists. Sparse tensors must satisfy their invariants and tensors
+    rebuilt from a storage must fit the bytes that travelled.
 
-    With ``safe`` set, unpickling goes through torch's ``weights_only``
-    allow-list (builtin containers and scalars, tensors, dtypes, devices),
-    plus the classes ``safe`` lists; anything else raises
-    :class:`~pdist.PdistError` naming it, without running it. Every sparse
-    tensor received is checked against its invariants (indices in range), and
-    every tensor rebuilt from a storage must fit the bytes that travelled. Any
-    failure to rebuild the object raises :class:`~pdist.PdistError`, the
-    original error as its cause.
+    Raises:
+        PdistError: The object is refused or cannot be rebuilt (naming why).
     """
-    mask = [False] * len(entries) if storage is None else storage
-    persistent_load, storages = _persistent_loader(entries, mask)
+    persistent_load, storages = _persistent_loader(entries, storage)
     with _SPARSE_LOCK, warnings.catch_warnings():
         # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly.
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
@@ -326,8 +260,22 @@ def loads(
             fresh = list(pending[start:])
         finally:
             del pending[start:]
-        _check_storages(entries, storages)
-        _validate_sparse(fresh)
+        # torch grows a storage too small for the tensor set on it (with uninitialized memory).
+        for index, found in storages.items():
+            if found.nbytes() != entries[index].numel():
+                msg = (
+                    f"a received tensor needs {found.nbytes()} bytes of a storage of which "
+                    f"{entries[index].numel()} travelled; the sender's payload is corrupt"
+                )
+                raise PdistError(msg)
+        for t in fresh:
+            try:
+                _compat.validate_sparse(t)
+            except PdistError:
+                raise
+            except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+                msg = f"a received sparse tensor is invalid: {exc}"
+                raise PdistError(msg) from None
     return obj
 
 

@@ -30,18 +30,12 @@ _WRAPPER_LINK = "_pdist_ddp_wrapper"
 _FSDP_MANAGED = "_is_fsdp_managed_module"
 
 
-def _static_graph(ddp: nn.parallel.DistributedDataParallel) -> bool:
-    return bool(getattr(ddp, "static_graph", False))
-
-
 class _WrapperLink:
-    """A weak link from a wrapped module to its DDP wrapper, stored on the module itself.
+    """A weak link from a wrapped module to its DDP, stored on the module (no registry).
 
-    It lets :func:`grad_sync` tell, in O(1), that a module it was given sits
-    inside a DDP (the wrong module to pass) without a module-level registry.
-    The link is weak, so it keeps no DDP (and no process group) alive; it
-    pickles and deep-copies as ``False``, since a copy of the module is inside
-    no DDP, and unpickling needs no pdist.
+    It lets :func:`grad_sync` tell in O(1) that it was given the wrong module. It
+    keeps no DDP alive, and pickles and deep-copies as ``False`` (a copy is inside
+    no DDP, and unpickling needs no pdist).
     """
 
     __slots__ = ("_ref",)
@@ -64,14 +58,12 @@ def _link(modules: Iterable[nn.Module], wrapper: nn.Module | None) -> None:
 
 
 def _enclosing_ddp(model: nn.Module) -> nn.Module | None:
-    """The DDP that wraps ``model`` (or a module around it), if any; None otherwise.
+    """The DDP that wraps ``model`` (or a module around it), if any.
 
-    pdist's DDP links its modules when it is built (O(1) here). A module that
-    carries no link may sit inside torch's own DDP: then, once per module, the
-    garbage collector's list of objects is scanned for a DDP holding it, and
-    the answer is stored as a link (a dead one when none holds it), so the scan
-    never repeats for that module. Only :func:`grad_sync` with ``enabled=False``
-    on a module holding no DDP or FSDP module gets here.
+    pdist's DDP links its modules when built. For torch's own DDP the garbage
+    collector's objects are scanned, once per module: the answer is stored as a
+    link (a dead one when none holds it). Only ``grad_sync(enabled=False)`` on a
+    module holding no DDP or FSDP module gets here.
     """
     link = model.__dict__.get(_WRAPPER_LINK)
     if isinstance(link, _WrapperLink):
@@ -112,7 +104,7 @@ def _warn_wrong_module(model: nn.Module) -> None:
 
 def _set_ddp(module: nn.parallel.DistributedDataParallel, enabled: bool) -> Any:
     """Set a DDP's flag; returns what puts it back (None: static_graph, left alone)."""
-    if _static_graph(module):
+    if getattr(module, "static_graph", False):
         if not getattr(module, _STATIC_WARNED, False):
             object.__setattr__(module, _STATIC_WARNED, True)
             warnings.warn(
@@ -129,7 +121,10 @@ def _set_ddp(module: nn.parallel.DistributedDataParallel, enabled: bool) -> Any:
 
 def _set_fsdp(module: Any, enabled: bool, defer_reduce_scatter: bool) -> Any:
     """Set one FSDP2 module's flags (not its children's); returns what puts them back."""
-    _check_fsdp_device(module)
+    # torch before 2.7 cannot run FSDP2 on CPU: its backward would crash half-way.
+    on_cpu = (p.device.type == "cpu" for p in module.parameters(recurse=False))
+    if not _compat.FEATURES.fsdp2_on_cpu and any(on_cpu):
+        raise _compat.unsupported("FSDP2 (fully_shard) on CPU tensors", (2, 7))
     groups = _compat.fsdp_param_groups(module)
     if not groups:
         return None
@@ -152,26 +147,19 @@ def grad_sync(
 ) -> Iterator[None]:
     """Turn cross-replica gradient synchronization on or off inside the block.
 
-    - DDP (torch's or pdist's): ``require_backward_grad_sync``; with
-      ``static_graph=True`` the flag cannot change (a warning, once per model).
-    - FSDP2 (``fully_shard``): by default only HSDP's cross-replica all-reduce is
-      deferred; reduce-scatter still runs every micro-step, so gradients stay
-      sharded. ``defer_reduce_scatter=True`` defers all gradient communication,
-      at the price of an unsharded gradient per parameter until the next synced
-      backward.
-    - Plain modules and one-rank runs: nothing to do.
-
-    Passing the wrong module (``model.module`` of a DDP, or a submodule of a
-    ``fully_shard`` model holding no FSDP module) with ``enabled=False`` would
-    change nothing, so it warns, naming the module to pass. On exit every module
-    gets back exactly its own previous flags, also when the block raises or
-    setting them fails half-way. Nests freely.
+    DDP (torch's or pdist's): ``require_backward_grad_sync`` (with
+    ``static_graph=True`` it cannot change: a warning, once per model). FSDP2:
+    only HSDP's cross-replica all-reduce is deferred, so gradients stay sharded;
+    ``defer_reduce_scatter=True`` defers all of it, at the price of an unsharded
+    gradient per parameter. Plain modules: nothing to do. The wrong module
+    (``model.module`` of a DDP, a submodule of a ``fully_shard`` model) with
+    ``enabled=False`` warns, naming the one to pass. On exit every module gets
+    back exactly its own flags, also when the block raises. Nests freely.
 
     Example::
 
-        for i, batch in enumerate(micro_batches):
-            with pdist.grad_sync(model, enabled=(i == len(micro_batches) - 1)):
-                model(batch).sum().backward()
+        with pdist.grad_sync(model, enabled=(i == len(micro_batches) - 1)):
+            model(batch).sum().backward()
 
     Args:
         model: The DDP model, the ``fully_shard`` model (its root), or a plain module.
@@ -208,14 +196,6 @@ def grad_sync(
                 put_back()
 
 
-def _check_fsdp_device(module: nn.Module) -> None:
-    """Refuse FSDP2 on CPU where torch cannot run it (its backward would crash half-way)."""
-    if _compat.FEATURES.fsdp2_on_cpu:
-        return
-    if any(p.device.type == "cpu" for p in module.parameters(recurse=False)):
-        raise _compat.unsupported("FSDP2 (fully_shard) on CPU tensors", (2, 7))
-
-
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """torch's DDP plus :meth:`training_step`, which runs through DDP's forward and hooks."""
 
@@ -227,12 +207,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped module's ``training_step`` as DDP's forward.
 
-        DDP's gradient hooks only arm through ``forward``; this points the
-        wrapped module's ``forward`` at a function that first puts ``forward``
-        back and then runs ``training_step``, and calls DDP. So DDP's forward
-        and hooks run around the step, while a step that calls ``self(batch)``
-        reaches the real ``forward``. ``forward`` is back afterwards in every
-        case, also when the step raises.
+        DDP's gradient hooks only arm through ``forward``, so ``forward`` points
+        at the step for one call (a step that calls ``self(batch)`` reaches the
+        real ``forward``); it is back afterwards, also when the step raises.
 
         Raises:
             AttributeError: The wrapped module has no ``training_step``.
@@ -267,17 +244,12 @@ def wrap_ddp(
 ) -> DistributedDataParallel:
     """Wrap ``model`` in :class:`DistributedDataParallel` over the context's ``dp_sp`` group.
 
-    Gradients are averaged over ``ctx.dp_sp``, the ranks that share this
-    rank's tp index: data-parallel ranks see different samples and
-    sequence-parallel ranks different slices of the sequence, so both must
-    average (it is ``ctx.dp`` when ``sp == 1``). tp peers hold different
-    shards and are left out. On 4 ranks with ``sp=2`` all 4 ranks average;
-    with ``tp=2`` rank 1 averages with rank 3.
-
-    The model is moved to ``ctx.device`` first (``Module.to`` works in place).
-    The result is a :class:`DistributedDataParallel` at every world size, one
-    rank included, so ``.module`` and ``training_step`` work the same under
-    ``python`` and ``torchrun``.
+    ``ctx.dp_sp`` holds the ranks sharing this rank's tp index: data- and
+    sequence-parallel ranks see different data, so both average (``ctx.dp``
+    when ``sp == 1``); tp peers hold different shards. On 4 ranks with
+    ``sp=2`` all 4 average; with ``tp=2`` rank 1 averages with rank 3. The
+    model is moved to ``ctx.device`` first; the result is a DDP on one rank
+    too, so ``.module`` and ``training_step`` work the same everywhere.
 
     .. note:: Every rank of the group must call it (DDP broadcasts the
        parameters of the group's first rank on construction).
@@ -308,17 +280,13 @@ def wrap_ddp(
     )
 
 
-def _ignored(name: str, ignore: Iterable[str]) -> bool:
-    return any(name == pattern or name.startswith(pattern + ".") for pattern in ignore)
-
-
 def _states(
     model: nn.Module, ignore: tuple[str, ...], buffers: bool
 ) -> list[tuple[str, torch.Tensor]]:
     named: list[tuple[str, torch.Tensor]] = list(model.named_parameters())  # shared ones once
     if buffers:
         named += [(n, b) for n, b in model.named_buffers() if b is not None]
-    return [(n, t) for n, t in named if not _ignored(n, ignore)]
+    return [(n, t) for n, t in named if not any(n == p or n.startswith(f"{p}.") for p in ignore)]
 
 
 def _check_ignore(ignore: object, rank: int) -> tuple[str, ...]:
@@ -341,10 +309,7 @@ def _local_states(
 ) -> list[tuple[str, torch.Tensor]]:
     """Validate this rank's arguments; the states to synchronize (bad arguments raise)."""
     rank = g.rank
-    try:
-        g.global_rank(src)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{exc} (on rank {rank})") from None
+    g.global_rank(src)  # type: ignore[arg-type]  # its errors name the rank
     names = _check_ignore(ignore, rank)
     if not isinstance(broadcast_buffers, bool):
         msg = f"broadcast_buffers={broadcast_buffers!r:.40} on rank {rank} must be True or False"
@@ -364,7 +329,8 @@ def _local_states(
             "(model.to_empty(device=...) and initialize), or list them in ignore="
         )
         raise ValueError(msg)
-    sharded = [n for n, t in states if _is_dtensor(t)]
+    dtensor = _compat.dtensor_type()  # None: never imported, so no tensor is one
+    sharded = [n for n, t in states if dtensor is not None and isinstance(t, dtensor)]
     if sharded:
         msg = (
             f"model on rank {rank} holds DTensor parameters or buffers ({sharded[:3]}), as "
@@ -374,16 +340,6 @@ def _local_states(
         )
         raise ValueError(msg)
     return states
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (checked without importing torch.distributed.tensor)."""
-    dtensor = _compat.dtensor_type()
-    return dtensor is not None and isinstance(t, dtensor)
-
-
-def _entry(name: str, t: torch.Tensor) -> tuple[str, tuple[int, ...], str, str]:
-    return (name, tuple(t.shape), dtype_name(t.dtype), t.device.type)
 
 
 def _first_difference(src: list[list[Any]], other: list[list[Any]]) -> str:
@@ -410,21 +366,11 @@ def sync_model_states(
 ) -> None:
     """Copy ``model``'s parameters (and buffers) from group index ``src`` to every rank, in place.
 
-    Before any tensor moves, every rank exchanges one record: its ``src``, a
-    fingerprint of the (name, shape, dtype, device type) of what it will send
-    or receive, or the error its own arguments raised. A bad argument on one
-    rank (``model=None``, a model on ``meta``, ``ignore=5``...) then raises
-    on every rank, naming that rank; ranks passing different ``src`` raise
-    :class:`~pdist.RankMismatchError`, and so does any fingerprint difference,
-    naming the first differing entries and the ranks (such a mismatch would
-    otherwise deadlock NCCL). Shared parameters are sent once; tensors travel
-    in coalesced buckets, not one collective each, after an 8-byte status
-    all-reduce that makes a failure while staging them raise everywhere too.
-    Tensors that do not live on the group's transport device (such as a CPU
-    group's model on another device) are sent from a copy and received into
-    a buffer, then written back into the model's own tensors. A model
-    holding DTensors (after ``fully_shard`` or tensor parallelism) is refused
-    on every rank: synchronize it before sharding it.
+    Before any tensor moves the ranks agree on ``src`` and on the (name, shape,
+    dtype, device type) of what they hold, so that a bad argument or a mismatch
+    raises on every rank instead of deadlocking NCCL. Shared parameters travel
+    once, in coalesced buckets. A model holding DTensors (after ``fully_shard``
+    or tensor parallelism) is refused: synchronize it before sharding it.
 
     .. note:: All ranks of the group must call it.
 
@@ -454,7 +400,7 @@ def sync_model_states(
         if error is not None:
             raise error
         return
-    entries = [_entry(n, t) for n, t in states]
+    entries = [(n, tuple(t.shape), dtype_name(t.dtype), t.device.type) for n, t in states]
     # One status all-reduce carries every rank's failure and a digest of (src, entries).
     if not _agree.status(g, error, what=what, summary=repr([src, entries])):
         _raise_difference(g, src, entries, what)

@@ -1,27 +1,27 @@
 """Framed bytes over a Group's CPU (gloo) group: the transport of metadata and skeletons.
 
-A message is a header (status, body length) and a body: a payload, or an
-error marker (plain data, see ``_errors``) from a rank that failed while
-preparing its part, on which every receiver raises the same error. A message
-travels as a fixed-size first chunk plus, only when longer, the rest, so small
-messages take a single collective. Before a rest of :data:`STATUS_MIN_BYTES`
-or more every receiver reports (``_agree``) whether it could allocate it, so
-that a receiver out of memory makes every rank raise instead of leaving the
-sender waiting. Nothing here is unpickled; :func:`exchange` records are JSON.
+A message is a header (status, body length) and a body: a payload, or an error
+marker (``_errors``) on which every receiver raises the same error. It travels
+as a fixed-size first chunk plus, only when longer, the rest, so small messages
+take one collective. Before a rest of :data:`STATUS_MIN_BYTES` or more every
+receiver reports (``_agree``) whether it could allocate it, so that one out of
+memory makes every rank raise instead of leaving the sender waiting. Nothing
+here is unpickled; :func:`exchange` records are JSON.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import _agree, _seams
 from ._buffers import allocate, bytes_of, filled
-from ._errors import ERROR, HEADER, OK, PdistError, decode_marker, encode_marker, kind_name
+from ._errors import ERROR, HEADER, OK, PdistError, encode_marker
 from ._group import Group
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "exchange",
     "frame",
     "recv_bytes",
+    "reserve",
     "send_bytes",
     "unframe",
 ]
@@ -42,11 +43,12 @@ FIRST_MESSAGE_BYTES = 4096
 STATUS_MIN_BYTES = 1 << 20
 """A message's rest of this size or more moves only after every receiver has allocated it.
 
-Below it an allocation cannot realistically fail, and the status step would
-cost more than the transfer it guards.
+Below it an allocation cannot realistically fail, and the status step would cost more.
 """
 
 Move = Callable[[torch.Tensor], object]
+Report = Callable[[BaseException | None], object]
+T = TypeVar("T")
 
 
 def frame(payload: bytes | None, error: BaseException | None, rank: int) -> bytes:
@@ -67,11 +69,7 @@ def unframe(data: bytes, group: Group, what: str, own: BaseException | None = No
         msg = f"{what} on group {group.name!r}: corrupt message header (length {length})"
         raise PdistError(msg)
     if status == ERROR:
-        found = decode_marker(body, group.ranks)
-        if found is None:
-            msg = f"{what} on group {group.name!r}: a peer sent a malformed error marker"
-            raise PdistError(msg)
-        _agree.raise_failure(group, what, *found, own=own)
+        _agree.raise_marker(group, what, body, own)
     if status != OK:
         msg = f"{what} on group {group.name!r}: corrupt message header (status {status})"
         raise PdistError(msg)
@@ -106,40 +104,39 @@ def _send(
             status()
         move(chunks[1])
     if failure is not None:
-        _agree.raise_failure(group, what, group.rank, kind_name(failure), str(failure), failure)
+        _agree.raise_own(group, failure, what, wrap_pdist=True)
 
 
-def _receive(
-    group: Group, move: Move, status: Callable[[BaseException | None], object], what: str
-) -> bytes:
-    """One framed message through ``move``; ``status`` reports this rank's allocation first."""
+def reserve(make: Callable[[], T], nbytes: int, report: Report) -> T:
+    """``make()`` (an allocation); from :data:`STATUS_MIN_BYTES` on, after ``report``.
+
+    ``report`` tells the peers whether this rank could allocate (and raises on
+    every rank when one could not); below the threshold a failure raises here.
+    """
+    made: T | None = None
+    failure: PdistError | None = None
+    try:
+        made = make()
+    except PdistError as exc:
+        failure = exc
+    if nbytes >= STATUS_MIN_BYTES:
+        report(failure)
+    if failure is not None:
+        raise failure
+    return made  # type: ignore[return-value]  # set when nothing was raised
+
+
+def _receive(group: Group, move: Move, report: Report, what: str) -> bytes:
+    """One framed message through ``move``; ``report`` tells whether this rank allocated it."""
     size = FIRST_MESSAGE_BYTES
     first = torch.empty(size, dtype=torch.uint8)
     move(first)
     total = HEADER.size + HEADER.unpack(bytes_of(first, HEADER.size))[1]
     if total <= size:
         return bytes_of(first, total)  # a negative length gives a truncated message
-    rest = _allocated(total - size, group, status, what)
+    rest = reserve(lambda: allocate(total - size, what=what), total - size, report)
     move(rest)
     return bytes_of(first) + bytes_of(rest)
-
-
-def _allocated(
-    nbytes: int, group: Group, status: Callable[[BaseException | None], object], what: str
-) -> torch.Tensor:
-    """A receive buffer of ``nbytes``; from :data:`STATUS_MIN_BYTES` on, after ``status``."""
-    rest: torch.Tensor | None = None
-    failure: BaseException | None = None
-    try:
-        rest = allocate(nbytes, what=what)
-    except PdistError as exc:
-        failure = exc
-    if nbytes >= STATUS_MIN_BYTES:
-        status(failure)  # raises on every rank when a rank failed
-    if failure is not None:
-        raise failure
-    assert rest is not None
-    return rest
 
 
 def broadcast_bytes(
@@ -149,11 +146,7 @@ def broadcast_bytes(
 
     .. note:: All ranks of the group must call it.
     """
-    src_global = group.global_rank(src)
-
-    def move(t: torch.Tensor) -> None:
-        dist.broadcast(t, src=src_global, group=group.cpu_group)
-
+    move = functools.partial(dist.broadcast, src=group.global_rank(src), group=group.cpu_group)
     if group.rank_in_group == src:
         message = frame(payload, error, group.rank)
         _send(message, group, move, lambda: _agree.status(group, None, what=what), what)
@@ -166,11 +159,9 @@ def send_bytes(
     group: Group, payload: bytes | None, dst: int, *, error: BaseException | None = None, what: str
 ) -> None:
     """Send ``payload`` (or ``error``) to group index ``dst``, which calls :func:`recv_bytes`."""
-    dst_global = group.global_rank(dst, name="dst")
-
-    def move(t: torch.Tensor) -> None:
-        dist.send(t, dst=dst_global, group=group.cpu_group)
-
+    move = functools.partial(
+        dist.send, dst=group.global_rank(dst, name="dst"), group=group.cpu_group
+    )
     message = frame(payload, error, group.rank)
     _send(message, group, move, lambda: _agree.hear(group, dst, what=what), what)
     unframe(message, group, what, own=error)
@@ -178,11 +169,7 @@ def send_bytes(
 
 def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
     """Receive what group index ``src`` sent with :func:`send_bytes`."""
-    src_global = group.global_rank(src)
-
-    def move(t: torch.Tensor) -> None:
-        dist.recv(t, src=src_global, group=group.cpu_group)
-
+    move = functools.partial(dist.recv, src=group.global_rank(src), group=group.cpu_group)
     data = _receive(group, move, lambda failure: _agree.tell(group, src, failure, what=what), what)
     return unframe(data, group, what)
 
@@ -203,10 +190,19 @@ def all_gather_bytes(
     chunks, failure = _chunks(message[:size], group.rank, what)
     dist.all_gather(firsts, chunks[0], group=pg)
     lengths = [HEADER.size + HEADER.unpack(bytes_of(f, HEADER.size))[1] for f in firsts]
-    longest = max(lengths)
+    rest = max(lengths) - size
     rests: list[torch.Tensor] = []
-    if longest > size:
-        rests = _gather_rests(group, message[size:], longest - size, what)
+    if rest > 0:  # every rank's rest, padded to the longest
+        rests = reserve(
+            lambda: (
+                [filled(message[size:], rest, what=what)]
+                + [allocate(rest, what=what) for _ in group.ranks]
+            ),
+            rest,
+            lambda failure: _agree.status(group, failure, what=what),
+        )
+        dist.all_gather(rests[1:], rests[0], group=pg)
+        rests = rests[1:]
     messages = [
         bytes_of(f, min(n, size)) + (bytes_of(rests[r], n - size) if n > size else b"")
         for r, (f, n) in enumerate(zip(firsts, lengths, strict=True))
@@ -215,22 +211,6 @@ def all_gather_bytes(
     for m in sorted(messages, key=lambda m: m[:1] == bytes([OK])):  # failures first
         unframe(m, group, what, own=own)
     return [m[HEADER.size :] for m in messages]
-
-
-def _gather_rests(group: Group, mine: bytes, rest: int, what: str) -> list[torch.Tensor]:
-    """Every rank's rest of a message, each padded to ``rest`` bytes (after a status if large)."""
-    buffers: list[torch.Tensor] = []
-    failure: BaseException | None = None
-    try:
-        buffers = [filled(mine, rest, what=what), *(allocate(rest, what=what) for _ in group.ranks)]
-    except PdistError as exc:
-        failure = exc
-    if rest >= STATUS_MIN_BYTES:
-        _agree.status(group, failure, what=what)
-    elif failure is not None:
-        raise failure
-    dist.all_gather(buffers[1:], buffers[0], group=group.cpu_group)
-    return buffers[1:]
 
 
 def exchange(

@@ -1,16 +1,9 @@
 """Multi-process test harness: run a function on every rank of a real gloo world.
 
-``spawn(fn, world_size, *args)`` runs ``fn(*args)`` in ``world_size``
-processes whose environment looks like torchrun's, and returns each rank's
-return value in rank order. ``@world_sizes(2, 3)`` turns a pytest test that
-takes ``ctx`` into one test per world size, each running inside
-``pdist.distributed()`` on every rank.
-
-Worker processes are started once per world size and reused by later calls in
-the same process (spawning and importing torch dominates otherwise); a call
-that fails or times out discards its workers. Each call gets a fresh
-rendezvous store on a port the OS picks, so parallel test runs never collide.
-pytest is imported only by :func:`world_sizes`.
+Worker processes are started once per world size and reused by later calls
+(spawning and importing torch dominates otherwise); a call that fails or times
+out discards its workers. Each call gets a fresh rendezvous store on a port the
+OS picks, so parallel test runs never collide. Only :func:`world_sizes` imports pytest.
 """
 
 from __future__ import annotations
@@ -26,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -60,21 +54,10 @@ class SpawnError(PdistError):
         self.remote_traceback = remote_traceback
 
 
-# --------------------------------------------------------------------------- worker side
-
-
-def _leave_no_process_group() -> None:
-    """A job that left the default group initialized must not leak it into the next job."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        print("pdist.testing: the job left a process group initialized; destroying it")
-        dist.destroy_process_group()
-
-
 def _worker_main(conn: Connection, rank: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     base_env = dict(os.environ)
@@ -94,10 +77,10 @@ def _worker_main(conn: Connection, rank: int) -> None:
         with open(log_path or os.devnull, "w") as log:
             sys.stdout.flush()
             sys.stderr.flush()
-            saved = os.dup(1), os.dup(2)
+            saved = [os.dup(fd) for fd in (1, 2)]
             if log_path:
-                os.dup2(log.fileno(), 1)
-                os.dup2(log.fileno(), 2)
+                for fd in (1, 2):
+                    os.dup2(log.fileno(), fd)
             faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
             try:
                 fn, args = pickle.loads(payload)
@@ -111,20 +94,19 @@ def _worker_main(conn: Connection, rank: int) -> None:
             except BaseException:
                 reply = pickle.dumps(("error", traceback.format_exc()))
             finally:
-                _leave_no_process_group()
+                # A job that left the default group initialized must not leak it into the next.
+                if dist.is_available() and dist.is_initialized():
+                    print("pdist.testing: the job left a process group initialized; destroying it")
+                    dist.destroy_process_group()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 faulthandler.unregister(signal.SIGUSR1)
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-                os.close(saved[0])
-                os.close(saved[1])
+                for fd, old in zip((1, 2), saved, strict=True):
+                    os.dup2(old, fd)
+                    os.close(old)
         conn.send_bytes(reply)
     # Skip interpreter teardown: objects a test left behind must not abort the worker.
     os._exit(0)
-
-
-# --------------------------------------------------------------------------- parent side
 
 
 class _Pool:
@@ -171,19 +153,18 @@ def _close_pools() -> None:
         _pools.popitem()[1].close()
 
 
-def _pool(world_size: int) -> _Pool:
-    pool = _pools.get(world_size)
-    if pool is None or not pool.alive():
-        if pool is not None:
-            pool.kill()
-        pool = _pools[world_size] = _Pool(world_size)
-    return pool
-
-
 def _discard(world_size: int) -> None:
     pool = _pools.pop(world_size, None)
     if pool is not None:
         pool.kill()
+
+
+def _pool(world_size: int) -> _Pool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        _discard(world_size)
+        pool = _pools[world_size] = _Pool(world_size)
+    return pool
 
 
 def _read(path: str) -> str:
@@ -203,30 +184,24 @@ def spawn(
 ) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
 
-    Each rank sees torchrun's variables (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
-    a rendezvous store hosted by the caller on a free port, so ``fn`` can call
-    ``pdist.distributed()`` (or ``torch.distributed.init_process_group``)
-    directly. ``fn``, ``args`` and the results must be picklable (``fn``
-    defined at module level). Each rank's output is echoed to this process's
-    stdout after the run.
+    Each rank sees torchrun's variables and a rendezvous store hosted by the
+    caller, so ``fn`` can call ``pdist.distributed()`` directly. ``fn`` (defined
+    at module level), ``args`` and the results must be picklable.
 
     Args:
         fn: The function every rank runs.
         world_size: Number of ranks (>= 1).
         *args: Arguments passed to ``fn`` on every rank.
         timeout: Seconds (or ``timedelta``) for the whole run.
-        capture_output: Collect each rank's output and echo it after the run (and
-            into a failure's message); False lets ranks write to this process's
-            stdout/stderr as they run (for command-line tools).
+        capture_output: Echo each rank's output after the run (and in a failure's
+            message); False lets ranks write to this process's stdout as they run.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        SpawnError: A rank raised (its traceback is in the message), died, or
-            the run timed out (every rank's stacks are dumped in the message);
-            the workers are then killed.
+        SpawnError: A rank raised, died, or the run timed out (the message holds
+            the traceback or every rank's stacks); the workers are then killed.
         ValueError: ``world_size`` is not a positive int.
     """
     from ._compat import TCPStore
@@ -263,10 +238,7 @@ def spawn(
         raise
     finally:
         del store
-        for path in logs:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
@@ -283,8 +255,7 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
             break
         for ready in wait(list(pending.values()), timeout=deadline - now):
             rank = next(r for r, c in pending.items() if c is ready)
-            conn = pending[rank]
-            del pending[rank]
+            conn = pending.pop(rank)
             try:
                 status, value = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
@@ -362,10 +333,9 @@ def _quiet_kineto() -> Iterator[None]:
 def count_collectives() -> Iterator[collections.Counter[str]]:
     """Count the collectives this process issues inside the block, by name.
 
-    Uses ``torch.profiler``, which records each gloo (and NCCL) collective as
-    an event such as ``gloo:broadcast``. The counter is filled when the block
-    exits. The profiler's own start and stop lines (kineto's ``USDT:`` and
-    ``STAGE:`` lines on stderr) are swallowed; the block's output is untouched.
+    ``torch.profiler`` records each gloo (and NCCL) collective as an event such
+    as ``gloo:broadcast``; the counter is filled when the block exits. The
+    profiler's own log lines are swallowed; the block's output is untouched.
 
     Example::
 
@@ -390,9 +360,6 @@ def count_collectives() -> Iterator[collections.Counter[str]]:
             counts[name] += 1
 
 
-# --------------------------------------------------------------------------- fault injection
-
-
 @contextlib.contextmanager
 def inject(
     *,
@@ -402,9 +369,8 @@ def inject(
 ) -> Iterator[None]:
     """Inject faults into this rank's pdist calls inside the block: pdist's three test seams.
 
-    Each hook is called at one place pdist keeps on purpose; what it raises is
-    that step's failure on this rank, so a test can check that every other
-    rank raises too instead of waiting (see the testing guide).
+    What a hook raises is that step's failure on this rank, so a test can check
+    that every other rank raises too instead of waiting (see the testing guide).
 
     Args:
         allocate: Called with the size in bytes before every buffer pdist sends
@@ -418,11 +384,7 @@ def inject(
 
     Example::
 
-        def out_of_memory(nbytes):
-            if nbytes >= 1 << 20:
-                raise RuntimeError("simulated out of memory")
-
-        with pdist.testing.inject(allocate=out_of_memory):
+        with pdist.testing.inject(allocate=out_of_memory):  # a hook that raises
             pdist.broadcast_object(ctx, None)  # every rank raises, naming this one
     """
     from . import _seams
@@ -432,9 +394,6 @@ def inject(
         yield
     finally:
         _seams.active.reset(token)
-
-
-# --------------------------------------------------------------------------- pytest glue
 
 
 def _run_test(module: str, qualname: str) -> None:
@@ -453,9 +412,8 @@ def world_sizes(
 ) -> Callable[[Callable[..., None]], Any]:
     """Pytest decorator: run a test taking ``ctx`` on every rank of each world size.
 
-    One pytest item per size (``test_x[2]``, ``test_x[3]``); every rank runs
-    the body inside ``pdist.distributed()``. A failing rank's assertion is
-    reported with its rank. The test must be a module-level function.
+    One pytest item per size (``test_x[2]``); every rank runs the body inside
+    ``pdist.distributed()``. The test must be a module-level function.
 
     Example::
 
