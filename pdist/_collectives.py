@@ -5,30 +5,40 @@ Each out-of-place collective is a :class:`_Spec` in ``_SPECS``, and
 one-rank group return ``x``; while tracing a closed group, stand in the op that
 raises pdist's error when the graph runs; where a gradient is wanted, go
 through one autograd Function (the gradient goes through the spec the backward
-names); then the traced form or the eager launch. Traced forms call torch's
-functional ops and wait once (they keep their process groups alive, so they
-are used only while tracing). An eager launch is a :class:`_Launched`, which
-:func:`_result` waits for now or, with ``async_op=True``, on first use.
-
-gloo gets its own all-gather (along dim != 0) and reduce-scatter. The generic
-paths that other backends take are plain functions; :func:`generic_path` (the
-seam tests use; production never calls it) runs them on any group.
+names); then the traced form or the eager launch (``_launches``).
+:func:`generic_path` (the seam tests use; production never calls it) runs the
+backend-independent paths on any group.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
 
-from . import _compat
-from ._compat import all_gather_into
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
+from ._launches import (
+    GENERIC,
+    OPS,
+    Launched,
+    all_reduce_into,
+    broadcast_into,
+    exchanged,
+    launch_all_gather,
+    launch_all_to_all,
+    launch_reduce_scatter,
+    local,
+    resized,
+    result,
+    traced_all_gather,
+    traced_all_reduce,
+    traced_all_to_all,
+    traced_broadcast,
+    traced_reduce_scatter,
+)
 
 __all__ = [
     "all_gather",
@@ -47,13 +57,6 @@ __all__ = [
     "shard",
 ]
 
-_OPS: dict[str, Any] = {
-    "sum": ReduceOp.SUM,
-    "mean": ReduceOp.SUM,  # divided afterwards: gloo has no AVG
-    "max": ReduceOp.MAX,
-    "min": ReduceOp.MIN,
-    "product": ReduceOp.PRODUCT,
-}
 _GRAD_OPS = ("sum", "mean")  # the differentiable reductions
 
 # A graph compiled after its distributed() block exited has no process group to
@@ -92,7 +95,7 @@ def _check_tensor(x: object) -> torch.Tensor:
     return x
 
 
-def _check_op(x: torch.Tensor, op: str, allowed: tuple[str, ...] = tuple(_OPS)) -> str:
+def _check_op(x: torch.Tensor, op: str, allowed: tuple[str, ...] = tuple(OPS)) -> str:
     if op not in allowed:
         msg = f"op={op!r} is not one of {allowed}"
         raise ValueError(msg)
@@ -145,210 +148,6 @@ def _refuse_grad(group: Group, x: torch.Tensor, name: str, use: str) -> None:
         raise ValueError(msg)
 
 
-# --------------------------------------------------------------------------- eager launches
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    """``x``, or the waited-for tensor in an ``AsyncCollectiveTensor`` (called below autograd)."""
-    if _compat.is_async_tensor(x):
-        return cast("torch.Tensor", cast("Any", x).trigger_wait())
-    return x
-
-
-def _split(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
-    """A view of ``x`` with ``dim`` split into ``(parts, size // parts)``."""
-    shape = list(x.shape)
-    return x.view(*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :])
-
-
-def _chunks(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
-    """``x.chunk(parts, dim)`` stacked and contiguous: ``[P, *chunk]`` (no copy for dim 0)."""
-    return _split(x, dim, parts).movedim(dim, 0).contiguous()
-
-
-def _resized(x: torch.Tensor, dim: int, size: int) -> list[int]:
-    shape = list(x.shape)
-    shape[dim] = size
-    return shape
-
-
-def _exchanged(group: Group, x: torch.Tensor, scatter: int, gather: int) -> list[int]:
-    shape = _resized(x, scatter, x.shape[scatter] // group.world_size)
-    shape[gather] *= group.world_size
-    return shape
-
-
-def _reduce_dim0(stacked: torch.Tensor, op: str, out: torch.Tensor) -> None:
-    """Reduce ``stacked`` ([P, ...]) over dim 0 into ``out``."""
-    if stacked.dtype == torch.bool:
-        # torch has no bool sum or product that keeps the dtype; gloo's are OR and AND.
-        op = {"sum": "max", "product": "min"}.get(op, op)
-    if op in ("max", "min"):
-        (torch.amax if op == "max" else torch.amin)(stacked, dim=0, out=out)
-    else:
-        (torch.prod if op == "product" else torch.sum)(stacked, dim=0, dtype=out.dtype, out=out)
-
-
-class _Launched(NamedTuple):
-    """A collective in flight: its result (final layout), torch's work, the finishing step.
-
-    ``buffers`` are the temporaries the finishing step reads (on an accelerator
-    they must outlive the step on the stream it runs on).
-    """
-
-    out: torch.Tensor
-    work: Any
-    finish: Callable[[], object] | None = None
-    buffers: tuple[torch.Tensor, ...] = ()
-
-
-def _result(launched: _Launched, async_op: bool) -> torch.Tensor:
-    """The result: now (wait, finish), or as a tensor that waits and finishes on first use."""
-    out, work, finish, buffers = launched
-    if async_op:
-        if finish is not None:
-
-            def then(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
-                fut.wait()  # raises the collective's error; on CUDA, orders the streams
-                finish()
-                # A CUDA future records the value's memory on the streams the step ran on,
-                # so the caching allocator does not hand the buffers out while it runs.
-                return [out, *buffers]
-
-            work = _compat.work_from_future(work.get_future().then(then))
-        _compat.register_work(out, work)
-        return cast("torch.Tensor", _compat.funcol().AsyncCollectiveTensor(out))
-    work.wait()
-    if finish is not None:
-        finish()
-    return out
-
-
-def _permuter(out: torch.Tensor, stacked: torch.Tensor, dim: int) -> Callable[[], object]:
-    """The finishing step that moves ``stacked``'s blocks (``[P, ...]``) to ``dim`` of ``out``."""
-    return lambda: _split(out, dim, stacked.shape[0]).copy_(stacked.movedim(0, dim))
-
-
-def _divider(out: torch.Tensor, n: int, op: str) -> Callable[[], object] | None:
-    return (lambda: out.div_(n)) if op == "mean" else None
-
-
-def _all_reduce_into(group: Group, out: torch.Tensor, op: str) -> _Launched:
-    work = dist.all_reduce(out, op=_OPS[op], group=group.device_group, async_op=True)
-    return _Launched(out, work, _divider(out, group.world_size, op))
-
-
-def _broadcast_into(group: Group, out: torch.Tensor, src: int) -> _Launched:
-    work = dist.broadcast(out, group.ranks[src], group=group.device_group, async_op=True)
-    return _Launched(out, work)
-
-
-def _launch_all_gather(group: Group, x: torch.Tensor, dim: int) -> _Launched:
-    x, p = x.contiguous(), group.world_size
-    direct = math.prod(x.shape[:dim]) == 1
-    if not direct and dist.get_backend(group.device_group) != "gloo":
-        return _launch_all_gather_generic(group, x, dim)
-    out = x.new_empty(_resized(x, dim, p * x.shape[dim]))
-    if direct:
-        # Every rank's block is contiguous in the result: gather straight into it.
-        work = all_gather_into(out.view(-1), x.view(-1), group.device_group, async_op=True)
-        return _Launched(out, work)
-    # gloo gathers into a buffer of its own, then copies each rank's block to its
-    # output tensor: given strided views of the result (rank r's block at index r
-    # of dim), that copy is the permute, and nothing else touches the data.
-    views = list(_split(out, dim, p).unbind(dim))
-    return _Launched(out, dist.all_gather(views, x, group=group.device_group, async_op=True))
-
-
-def _launch_all_gather_generic(group: Group, x: torch.Tensor, dim: int) -> _Launched:
-    """Gather rank-major into a buffer, then the one permute into the result."""
-    x, p = x.contiguous(), group.world_size
-    out = x.new_empty(_resized(x, dim, p * x.shape[dim]))
-    raw = x.new_empty((p, *x.shape))  # rank-major
-    work = all_gather_into(raw.view(-1), x.view(-1), group.device_group, async_op=True)
-    return _Launched(out, work, _permuter(out, raw, dim), (raw,))
-
-
-def _launch_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> _Launched:
-    if dist.get_backend(group.device_group) != "gloo":
-        return _launch_reduce_scatter_generic(group, x, op, dim)
-    # gloo's reduce-scatter all-reduces the whole tensor and keeps a chunk; an
-    # all-to-all moves (P-1)/P of it once, then each rank reduces the P chunks
-    # it received: half the traffic, and the reduction is local.
-    send = _chunks(x, dim, group.world_size)  # [P, *chunk]: chunk r goes to rank r
-    recv, out = torch.empty_like(send), x.new_empty(send.shape[1:])
-    work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
-
-    def reduce_chunks() -> None:
-        _reduce_dim0(recv, op, out)
-        if op == "mean":
-            out.div_(group.world_size)
-
-    return _Launched(out, work, reduce_chunks, (recv,))
-
-
-def _launch_reduce_scatter_generic(group: Group, x: torch.Tensor, op: str, dim: int) -> _Launched:
-    """Torch's reduce-scatter of ``x``'s chunks, stacked rank-major."""
-    send = _chunks(x, dim, group.world_size)  # [P, *chunk]
-    out, pg = x.new_empty(send.shape[1:]), group.device_group
-    work = _compat.reduce_scatter_into(out.view(-1), send.view(-1), _OPS[op], pg, async_op=True)
-    return _Launched(out, work, _divider(out, group.world_size, op))
-
-
-# What other backends take where gloo has its own path; tests reach them through generic_path.
-_GENERIC: dict[str, Callable[..., _Launched]] = {
-    "all_gather": _launch_all_gather_generic,
-    "reduce_scatter": _launch_reduce_scatter_generic,
-}
-
-
-def _launch_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> _Launched:
-    p = group.world_size
-    send = _chunks(x, scatter, p)  # [P, *chunk]: chunk r goes to rank r
-    recv = torch.empty_like(send)  # [P, *chunk]: chunk r came from rank r
-    work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
-    shape = _exchanged(group, x, scatter, gather)
-    if gather == 0:
-        return _Launched(recv.view(shape), work)  # rank-major already
-    out = recv.new_empty(shape)
-    return _Launched(out, work, _permuter(out, recv, gather), (recv,))
-
-
-# --------------------------------------------------------------------------- traced forms
-
-
-def _traced_all_reduce(group: Group, x: torch.Tensor, op: str) -> torch.Tensor:
-    ops, name = _compat.functional_ops(), group.device_group.group_name
-    out = ops.wait_tensor(ops.all_reduce(x, "sum" if op == "mean" else op, name))
-    return cast("torch.Tensor", out / group.world_size if op == "mean" else out)
-
-
-def _traced_broadcast(group: Group, x: torch.Tensor, src: int) -> torch.Tensor:
-    ops, name = _compat.functional_ops(), group.device_group.group_name
-    # The functional broadcast takes the pg's rank: pdist's group index.
-    return cast("torch.Tensor", ops.wait_tensor(ops.broadcast(x, src, name)))
-
-
-def _traced_all_gather(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:
-    ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
-    raw = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), p, name))  # [P * n, ...]
-    return raw if dim == 0 else torch.cat(raw.chunk(p), dim=dim)
-
-
-def _traced_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> torch.Tensor:
-    ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
-    wire_op = "sum" if op == "mean" else op
-    out = ops.wait_tensor(ops.reduce_scatter_tensor(_chunks(x, dim, p), wire_op, p, name))
-    return cast("torch.Tensor", (out / p if op == "mean" else out).squeeze(0))  # [1, *chunk]
-
-
-def _traced_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
-    ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
-    out = ops.wait_tensor(ops.all_to_all_single(_chunks(x, scatter, p), [1] * p, [1] * p, name))
-    out = out.movedim(0, gather).flatten(gather, gather + 1)  # a view for gather 0, as eagerly
-    return cast("torch.Tensor", out)
-
-
 # --------------------------------------------------------------------------- the table
 
 
@@ -363,7 +162,7 @@ class _Spec(NamedTuple):
     """
 
     check: Callable[..., tuple[Any, ...]]
-    launch: Callable[..., _Launched] | None
+    launch: Callable[..., Launched] | None
     traced: Callable[..., torch.Tensor]
     shape: Callable[..., list[int]]
     backward: Callable[..., tuple[str, tuple[Any, ...], bool] | None]
@@ -372,40 +171,40 @@ class _Spec(NamedTuple):
 _SPECS: dict[str, _Spec] = {
     "all_reduce": _Spec(
         check=lambda g, x, op: (_check_op(x, op),),
-        launch=lambda g, x, op: _all_reduce_into(
+        launch=lambda g, x, op: all_reduce_into(
             g, x.clone(memory_format=torch.contiguous_format), op
         ),
-        traced=_traced_all_reduce,
+        traced=traced_all_reduce,
         shape=lambda g, x, op: list(x.shape),
         # The gradient of a mean is the mean of the gradients.
         backward=lambda op: ("all_reduce", (op,), False) if op in _GRAD_OPS else None,
     ),
     "all_gather": _Spec(
         check=lambda g, x, dim: (_norm_dim(x, dim),),
-        launch=_launch_all_gather,
-        traced=_traced_all_gather,
-        shape=lambda g, x, d: _resized(x, d, x.shape[d] * g.world_size),
+        launch=launch_all_gather,
+        traced=traced_all_gather,
+        shape=lambda g, x, d: resized(x, d, x.shape[d] * g.world_size),
         backward=lambda d: ("reduce_scatter", ("sum", d), False),
     ),
     "reduce_scatter": _Spec(
         check=lambda g, x, op, dim: (_check_op(x, op), _split_dim(g, x, dim, "reduce_scatter")),
-        launch=_launch_reduce_scatter,
-        traced=_traced_reduce_scatter,
-        shape=lambda g, x, op, d: _resized(x, d, x.shape[d] // g.world_size),
+        launch=launch_reduce_scatter,
+        traced=traced_reduce_scatter,
+        shape=lambda g, x, op, d: resized(x, d, x.shape[d] // g.world_size),
         backward=lambda op, d: ("all_gather", (d,), op == "mean") if op in _GRAD_OPS else None,
     ),
     "all_to_all_4d": _Spec(
         check=_check_all_to_all,
-        launch=_launch_all_to_all,
-        traced=_traced_all_to_all,
-        shape=_exchanged,
+        launch=launch_all_to_all,
+        traced=traced_all_to_all,
+        shape=exchanged,
         backward=lambda s, d: ("all_to_all_4d", (d, s), False),
     ),
     "shard": _Spec(
         check=lambda g, x, dim, scale: (_split_dim(g, x, dim, "shard"), bool(scale)),
         launch=None,
         traced=lambda g, x, d, scale: x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous(),
-        shape=lambda g, x, d, scale: _resized(x, d, x.shape[d] // g.world_size),
+        shape=lambda g, x, d, scale: resized(x, d, x.shape[d] // g.world_size),
         backward=lambda d, scale: ("all_gather", (d,), scale),
     ),
 }
@@ -422,7 +221,7 @@ def _forward(
 ) -> torch.Tensor:
     if spec.launch is None or torch.compiler.is_compiling():
         return spec.traced(g, x, *args)
-    return _result(spec.launch(g, _local(x), *args), async_op)
+    return result(spec.launch(g, local(x), *args), async_op)
 
 
 def _collective(
@@ -463,7 +262,7 @@ class _Collective(torch.autograd.Function):
 def _in_place(
     group: Group,
     x: torch.Tensor,
-    launch: Callable[..., _Launched],
+    launch: Callable[..., Launched],
     traced: Callable[..., torch.Tensor],
     *args: Any,
 ) -> torch.Tensor:
@@ -478,10 +277,10 @@ def _in_place(
         return x.copy_(
             _closed(group, x, list(x.shape)) if group.is_closed else traced(group, x, *args)
         )
-    buf = _local(x)
+    buf = local(x)
     target = buf if buf.is_contiguous() else buf.contiguous()
     with torch.no_grad():
-        _result(launch(group, target, *args), async_op=False)
+        result(launch(group, target, *args), async_op=False)
         if target is not buf:
             buf.copy_(target)
     return x
@@ -497,10 +296,10 @@ def generic_path(
     (options: ``dim``) or ``"reduce_scatter"`` (options: ``op, dim``), checked
     as the public functions check them. Not differentiable.
     """
-    launch = _GENERIC[name]
+    launch = GENERIC[name]
     spec, g = _SPECS[name], as_group(group)
     args = spec.check(g, _check_tensor(x), *options)
-    return _result(launch(g, _local(x).detach(), *args), async_op=False)
+    return result(launch(g, local(x).detach(), *args), async_op=False)
 
 
 # --------------------------------------------------------------------------- public functions
@@ -541,7 +340,7 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
     g = as_group(group)
     _check_op(_check_tensor(x), op)
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
-    return _in_place(g, x, _all_reduce_into, _traced_all_reduce, op)
+    return _in_place(g, x, all_reduce_into, traced_all_reduce, op)
 
 
 def all_gather(
@@ -571,7 +370,7 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     _check_tensor(x)
     if g.world_size == 1:
         return [x]
-    x = _local(x).detach().contiguous()
+    x = local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks]
     dist.all_gather(outs, x, group=g.device_group)
     return outs
@@ -619,7 +418,7 @@ def gather(
     d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
-    x = _local(x).detach().contiguous()
+    x = local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
     dist.gather(x, outs, dst=dst_global, group=g.device_group)
     return None if outs is None else torch.cat(outs, dim=d)
@@ -643,7 +442,7 @@ def reduce(
     dst_global = g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
-    out = _local(x).detach().clone(memory_format=torch.contiguous_format)
+    out = local(x).detach().clone(memory_format=torch.contiguous_format)
     dist.reduce(out, dst=dst_global, group=g.device_group)
     if g.rank_in_group != dst:
         return None
@@ -664,7 +463,7 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
     if g.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
         raise ValueError(msg)
-    return _in_place(g, x, _broadcast_into, _traced_broadcast, src)
+    return _in_place(g, x, broadcast_into, traced_broadcast, src)
 
 
 def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> torch.Tensor:
@@ -679,7 +478,7 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
     _check_tensor(x)
     g.global_rank(src)
     _refuse_grad(g, x, "broadcast_", "broadcast")
-    return _in_place(g, x, _broadcast_into, _traced_broadcast, src)
+    return _in_place(g, x, broadcast_into, traced_broadcast, src)
 
 
 def all_to_all_4d(
@@ -731,7 +530,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     g = as_group(group)
     _check_tensor(x)
     peer = g.ranks[g.peer_index(dst, g.next_rank, "dst")]
-    dist.send(_local(x).detach().contiguous(), dst=peer, group=g.device_group)
+    dist.send(local(x).detach().contiguous(), dst=peer, group=g.device_group)
 
 
 def recv(

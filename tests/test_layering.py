@@ -34,6 +34,7 @@ LAYERS = {
             "_gathers",
             "_p2p",
             "_collectives",
+            "_launches",
             "_collate",
             "_training",
             "_mq",
@@ -61,6 +62,7 @@ FEATURE_EDGES = {
     ("_training", "_objects"),  # sync_model_states moves tensors with broadcast_tensors
     ("_mq", "_topology"),  # a queue needs every rank on one host
     ("_sequence", "_collectives"),  # Ulysses attention is two all_to_all_4d
+    ("_collectives", "_launches"),  # the runner and how each collective runs
     ("_context", "_subgroups"),
     ("_context", "_topology"),
     ("_context", "_guard"),
