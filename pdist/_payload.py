@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
-from . import _seams
+from . import _plain, _seams
 from ._buffers import ALIGN, aligned, bytes_of, resolved, slab, tensor_bytes
 from ._errors import PdistError
 from ._serialize import TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
@@ -322,7 +322,9 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
     if start > len(body):
         raise _corrupt(source, f"a header of {header_len} bytes in a body of {len(body)}")
     try:
-        header = json.loads(body[_PREFIX.size : start])
+        header = _plain.loads(body[_PREFIX.size : start], max_depth=4)
+    except _plain.TooDeepError:
+        raise _corrupt(source, "the header nests too deeply") from None
     except (UnicodeDecodeError, ValueError):
         raise _corrupt(source, "the header is not JSON") from None
     if not isinstance(header, dict) or set(header) != _FIELDS:

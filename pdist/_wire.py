@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _agree, _seams
+from . import _agree, _plain, _seams
 from ._buffers import allocate, bytes_of, filled
 from ._errors import ERROR, HEADER, OK, PdistError, encode_marker
 from ._group import Group
@@ -236,8 +236,8 @@ def exchange(
         group.ranks, all_gather_bytes(group, payload, error=error, what=what), strict=True
     ):
         try:
-            out.append(json.loads(data))
-        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested deep
+            out.append(_plain.loads(data))
+        except (UnicodeDecodeError, ValueError):
             msg = f"{what} on group {group.name!r}: rank {rank} sent a record that is not JSON"
             raise PdistError(msg) from None
     return out

@@ -20,6 +20,7 @@ LAYERS = {
     "_errors": 0,
     "_seams": 0,
     "_layout": 0,
+    "_plain": 0,
     "_compat": 1,
     "_env": 1,
     "_group": 1,

@@ -1,0 +1,46 @@
+"""Plain data from peers: JSON, parsed with a bounded depth (a leaf).
+
+Python's JSON parser refuses deep nesting only past the interpreter's
+recursion limit, which other libraries raise (torch.compile does); so the
+depth a peer may nest is pdist's own bound, checked on what was parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["MAX_DEPTH", "TooDeepError", "loads"]
+
+MAX_DEPTH = 64
+"""How deeply a peer's JSON may nest (pdist's own records nest a few levels)."""
+
+
+class TooDeepError(ValueError):
+    """A peer's JSON nests deeper than allowed."""
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
+def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """``json.loads(data)``, refusing nesting deeper than ``max_depth``.
+
+    Raises:
+        ValueError: ``data`` is not JSON (:class:`TooDeepError` when it nests too deeply).
+    """
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise TooDeepError("JSON nested past the interpreter's recursion limit") from None
+    if _depth(value) > max_depth:
+        msg = f"JSON nested deeper than {max_depth} levels"
+        raise TooDeepError(msg)
+    return value
