@@ -25,9 +25,13 @@ from ._layout import Layout, make_layout
 
 __all__ = [
     "DEFAULT_BACKENDS",
+    "DEFAULT_ON_STALL",
+    "DEFAULT_STALL_ANSWER_SEC",
+    "DEFAULT_STALL_TIMEOUT_SEC",
     "DEFAULT_TIMEOUT_SEC",
     "DEFAULT_WORLD_COMM_TIMEOUT_SEC",
     "KNOWN_BACKENDS",
+    "ON_STALL_MODES",
     "Accelerator",
     "Adopted",
     "Launch",
@@ -37,6 +41,7 @@ __all__ = [
     "env_backend",
     "env_seconds",
     "resolve_settings",
+    "stall_settings",
     "to_seconds",
     "world_comm_timeout",
 ]
@@ -48,6 +53,28 @@ DEFAULT_TIMEOUT_SEC = 1800.0
 
 DEFAULT_WORLD_COMM_TIMEOUT_SEC = 600.0
 """Deadline of the world-communicator guard when ``PDIST_WORLD_COMM_TIMEOUT_SEC`` is unset."""
+
+DEFAULT_STALL_TIMEOUT_SEC = 300.0
+"""How long a collective may wait before the stall watch reports (``PDIST_STALL_TIMEOUT_SEC``)."""
+
+DEFAULT_STALL_ANSWER_SEC = 10.0
+"""How long a stall report waits for the ranks' answers (``PDIST_STALL_ANSWER_SEC``)."""
+
+ON_STALL_MODES = ("report", "exit")
+"""What ``distributed(on_stall=...)`` accepts."""
+
+
+class _DefaultMode(str):
+    """``on_stall``'s default: equal to ``"report"``, but told apart from an explicit one.
+
+    ``PDIST_ON_STALL`` replaces the default, never a value the caller wrote.
+    """
+
+    __slots__ = ()
+
+
+DEFAULT_ON_STALL: str = _DefaultMode("report")
+"""The default of ``distributed(on_stall=...)``: ``"report"``, unless ``PDIST_ON_STALL`` says."""
 
 
 @attrs.frozen(kw_only=True)
@@ -278,6 +305,10 @@ class Settings:
         timeout: Collective timeout of the world group.
         subgroup_timeout: Collective timeout of the subgroups.
         startup_timeout: Deadline of the whole start-up in seconds; None waits forever.
+        stall_timeout: Seconds a collective may wait before the stall watch reports;
+            None: no watch.
+        on_stall: ``"report"`` or ``"exit"``.
+        stall_answer: Seconds a stall report waits for the ranks' answers.
         cpu_affinity: Pin to the CPUs near the accelerator (NVML, CUDA only).
         adopt: The default group is already initialized: adopt it, leave it alone.
     """
@@ -289,6 +320,9 @@ class Settings:
     timeout: timedelta
     subgroup_timeout: timedelta
     startup_timeout: float | None
+    stall_timeout: float | None
+    on_stall: str
+    stall_answer: float
     cpu_affinity: bool
     adopt: bool
 
@@ -408,6 +442,74 @@ def deadline_seconds(
     return to_seconds(value, name)
 
 
+def _stall_timeout(value: float | timedelta | None, environ: Mapping[str, str]) -> float | None:
+    if value is None:
+        return env_seconds(
+            "PDIST_STALL_TIMEOUT_SEC",
+            DEFAULT_STALL_TIMEOUT_SEC,
+            zero_means_forever=True,
+            environ=environ,
+        )
+    zero = timedelta(0) if isinstance(value, timedelta) else 0
+    if not isinstance(value, bool) and isinstance(value, (int, float, timedelta)) and value == zero:
+        return None
+    return to_seconds(value, "stall_timeout")
+
+
+def _on_stall(value: object, environ: Mapping[str, str]) -> str:
+    if value is DEFAULT_ON_STALL:
+        raw = environ.get("PDIST_ON_STALL", "").strip()
+        if raw and raw.lower() not in ON_STALL_MODES:
+            msg = f"PDIST_ON_STALL={raw!r} is not one of {ON_STALL_MODES}"
+            raise ValueError(msg)
+        return raw.lower() or "report"
+    if not isinstance(value, str) or value not in ON_STALL_MODES:
+        msg = f"on_stall={value!r} is not one of {ON_STALL_MODES}"
+        raise ValueError(msg)
+    return str(value)
+
+
+def stall_settings(
+    stall_timeout: float | timedelta | None,
+    on_stall: str = DEFAULT_ON_STALL,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[float | None, str, float]:
+    """The stall watch's settings: ``(stall_timeout, on_stall, answer wait)`` (pure).
+
+    ``stall_timeout`` None reads ``PDIST_STALL_TIMEOUT_SEC`` (default 300 s);
+    ``0`` (or a zero ``timedelta``), there or here, turns the watch off (None).
+    ``on_stall`` left at its default reads ``PDIST_ON_STALL`` (default
+    ``"report"``); a value written by the caller wins. The answer wait, how
+    long a report waits for the ranks' answers, reads ``PDIST_STALL_ANSWER_SEC``
+    (default 10 s; shorter in tests). Variables that hold durations fall back
+    to their default with a warning, as every ``PDIST_*`` duration does.
+
+    Raises:
+        TypeError: ``stall_timeout`` is neither a number nor a ``timedelta``.
+        ValueError: ``stall_timeout`` is negative or not finite, or ``on_stall``
+            (or ``PDIST_ON_STALL``) is neither ``"report"`` nor ``"exit"``.
+    """
+    env = os.environ if environ is None else environ
+    seconds = _stall_timeout(stall_timeout, env)
+    mode = _on_stall(on_stall, env)
+    answer = env_seconds("PDIST_STALL_ANSWER_SEC", DEFAULT_STALL_ANSWER_SEC, environ=env)
+    return seconds, mode, DEFAULT_STALL_ANSWER_SEC if answer is None else answer
+
+
+def _collective_timeouts(
+    timeout: float | timedelta | None, environ: Mapping[str, str]
+) -> tuple[timedelta, timedelta]:
+    """The world's and the subgroups' collective timeouts."""
+    if timeout is None:
+        seconds = env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=environ)
+    else:
+        seconds = to_seconds(timeout, "timeout")
+    seconds = DEFAULT_TIMEOUT_SEC if seconds is None else seconds  # None only with zero=forever
+    sub_seconds = env_seconds("PDIST_SUBGROUP_TIMEOUT_SEC", seconds, environ=environ)
+    sub_seconds = seconds if sub_seconds is None else sub_seconds
+    return timedelta(seconds=seconds), timedelta(seconds=sub_seconds)
+
+
 def resolve_settings(
     *,
     tp: int = 1,
@@ -416,6 +518,8 @@ def resolve_settings(
     device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
     startup_timeout: float | timedelta | None = None,
+    stall_timeout: float | timedelta | None = None,
+    on_stall: str = DEFAULT_ON_STALL,
     store_given: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
@@ -435,6 +539,9 @@ def resolve_settings(
         timeout: Collective timeout; default ``PDIST_TIMEOUT_SEC`` or 1800 s.
         startup_timeout: Start-up deadline; None reads ``PDIST_WORLD_COMM_TIMEOUT_SEC``
             (default 600 s); ``0`` waits forever.
+        stall_timeout: How long a collective may wait before the stall watch
+            reports; see :func:`stall_settings`.
+        on_stall: ``"report"`` or ``"exit"``; see :func:`stall_settings`.
         store_given: A rendezvous store was passed in.
         rank: Overrides the launcher's rank.
         world_size: Overrides the launcher's world size.
@@ -487,20 +594,19 @@ def resolve_settings(
     resolved_backend = _resolve_backend(requested, resolved_device, accelerator, source)
     if adopted is not None:
         resolved_backend = adopted.backend
-    if timeout is None:
-        seconds = env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=env)
-    else:
-        seconds = to_seconds(timeout, "timeout")
-    seconds = DEFAULT_TIMEOUT_SEC if seconds is None else seconds  # None only with zero=forever
-    sub_seconds = env_seconds("PDIST_SUBGROUP_TIMEOUT_SEC", seconds, environ=env)
+    world_timeout, subgroup_timeout = _collective_timeouts(timeout, env)
+    stall, mode, answer = stall_settings(stall_timeout, on_stall, env)
     return Settings(
         launch=launch,
         layout=layout,
         backend=resolved_backend,
         device=resolved_device,
-        timeout=timedelta(seconds=seconds),
-        subgroup_timeout=timedelta(seconds=seconds if sub_seconds is None else sub_seconds),
+        timeout=world_timeout,
+        subgroup_timeout=subgroup_timeout,
         startup_timeout=deadline_seconds(startup_timeout, "startup_timeout", env),
+        stall_timeout=stall,
+        on_stall=mode,
+        stall_answer=answer,
         cpu_affinity=bool(cpu_affinity),
         adopt=adopted is not None,
     )
