@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ._errors import PdistError
-from ._group import DistContext, Group, as_group
+from ._group import DistContext, Group, as_group, recorded
 from ._wire import all_gather_into
 
 __all__ = [
@@ -371,6 +371,7 @@ def _traced_all_to_all(
 # --------------------------------------------------------------------------- implementations
 
 
+@recorded("all_reduce")
 def _all_reduce_impl(
     group: Group, x: torch.Tensor, op: str, async_op: bool = False
 ) -> torch.Tensor:
@@ -379,6 +380,7 @@ def _all_reduce_impl(
     return _result(_launch_all_reduce(group, x, op), async_op)
 
 
+@recorded("all_gather")
 def _all_gather_impl(
     group: Group, x: torch.Tensor, dim: int, async_op: bool = False
 ) -> torch.Tensor:
@@ -387,6 +389,7 @@ def _all_gather_impl(
     return _result(_launch_all_gather(group, x, dim), async_op)
 
 
+@recorded("reduce_scatter")
 def _reduce_scatter_impl(
     group: Group, x: torch.Tensor, dim: int, op: str = "sum", async_op: bool = False
 ) -> torch.Tensor:
@@ -396,6 +399,7 @@ def _reduce_scatter_impl(
     return _result(_launch_reduce_scatter(group, x, dim, op), async_op)
 
 
+@recorded("all_to_all")
 def _all_to_all_impl(
     group: Group, x: torch.Tensor, scatter_dim: int, gather_dim: int, async_op: bool = False
 ) -> torch.Tensor:
@@ -544,6 +548,7 @@ def all_reduce(
     return _all_reduce_impl(g, x.detach() if x.requires_grad else x, op, async_op)
 
 
+@recorded("all_reduce_")
 def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum") -> torch.Tensor:
     """Reduce ``x`` over the group in place; every rank's ``x`` holds the result.
 
@@ -741,6 +746,7 @@ def reduce(
     return out.div_(g.world_size) if op == "mean" else out
 
 
+@recorded("broadcast")
 def _broadcast_into(group: Group, x: torch.Tensor, src: int) -> torch.Tensor:
     src_global = group.global_rank(src)
     if group.world_size == 1:
@@ -876,6 +882,7 @@ def shard(
     return x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous()
 
 
+@recorded("send", p2p=True)
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
@@ -887,6 +894,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     dist.send(_local(x).detach().contiguous(), dst=peer, group=g.device_group)
 
 
+@recorded("recv", p2p=True)
 def recv(
     group: Group | DistContext,
     shape: tuple[int, ...] | torch.Size,

@@ -1,31 +1,38 @@
 """The value types every other module works with: ``Group``, ``DistContext`` and their lifetime.
 
-A leaf module: it imports nothing else from pdist except the errors, so that
-every other module can depend on it and nothing imports back up.
+It imports nothing else from pdist except the errors and ``_compat`` (both
+leaves), so that every other module can depend on it and nothing imports back up.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from ._compat import recorder_sees_gloo
 from ._errors import PdistError
 
 __all__ = [
     "DistContext",
     "Group",
     "HeaderTransport",
+    "InFlight",
     "Lifetime",
     "ProcessGroup",
     "as_group",
+    "recorded",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 logger = logging.getLogger("pdist")
 
@@ -52,6 +59,89 @@ class HeaderTransport(Protocol):
         ...
 
 
+class InFlight:
+    """pdist's own record of the collectives the block is in: where the flight recorder is blind.
+
+    torch's flight recorder records every collective, but not gloo's on torch
+    2.6 and never gloo's point-to-point ones; the stall watch then reads this
+    instead. :func:`recorded` keeps it: one call per decorated pdist function,
+    and only while :attr:`active` (the watch is on). ``current`` is the
+    innermost call in flight, ``(group key, op, seq, sizes, dtype, start ns)``;
+    ``entered`` counts the calls per group key (pdist's own sequence numbers),
+    ``finished`` keeps each group's last finished call. One thread (the one
+    running the block) writes; the watch only reads.
+    """
+
+    __slots__ = ("active", "current", "entered", "finished")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.current: tuple[Any, ...] | None = None
+        self.entered: dict[str, int] = {}
+        self.finished: dict[str, tuple[Any, ...]] = {}
+
+    @staticmethod
+    def key(group: Group) -> str:
+        """The group's key in the record: its name, first rank and size (equal on its members)."""
+        return f"{group.name}@{group.ranks[0]}+{group.world_size}"
+
+    def track(self, groups: list[Group]) -> None:
+        """Start counting ``groups`` at zero, so that a rank that never called on one shows."""
+        for group in groups:
+            self.entered.setdefault(self.key(group), 0)
+
+    def enter(self, group: Group, op: str, first: object) -> tuple[Any, ...] | None:
+        """Record that ``op`` started on ``group``; returns what :meth:`leave` restores."""
+        key = self.key(group)
+        seq = self.entered.get(key, 0) + 1
+        self.entered[key] = seq
+        if isinstance(first, torch.Tensor):
+            sizes, dtype = [list(first.shape)], str(first.dtype).replace("torch.", "")
+        elif isinstance(first, (bytes, bytearray, memoryview)):
+            sizes, dtype = [[len(first)]], "bytes"
+        else:
+            sizes, dtype = [], ""
+        outer, self.current = self.current, (key, op, seq, sizes, dtype, time.time_ns())
+        return outer
+
+    def leave(self, outer: tuple[Any, ...] | None) -> None:
+        """Record that the innermost call ended; ``outer`` is what :meth:`enter` returned."""
+        if self.current is not None:
+            self.finished[self.current[0]] = self.current
+        self.current = outer
+
+
+def recorded(op: str, *, p2p: bool = False) -> Callable[[F], F]:
+    """Decorate a pdist function taking a group first: its calls go into :class:`InFlight`.
+
+    Returns the function itself where torch's flight recorder sees the call
+    (gloo collectives from torch 2.7): nothing is added to its path there.
+    Elsewhere, one check of the block's record per call, and the record only
+    while the stall watch is on. ``op`` names the call, unless the call passes
+    ``what=``; ``p2p`` marks a point-to-point call (never in gloo's recorder).
+    """
+
+    def decorate(fn: F) -> F:
+        if recorder_sees_gloo() and not p2p:
+            return fn
+
+        @functools.wraps(fn)
+        def recorded_call(group: Group | DistContext, *args: Any, **kwargs: Any) -> Any:
+            g = as_group(group)
+            record = g.lifetime.in_flight
+            if not record.active:
+                return fn(group, *args, **kwargs)
+            outer = record.enter(g, kwargs.get("what", op), args[0] if args else None)
+            try:
+                return fn(group, *args, **kwargs)
+            finally:
+                record.leave(outer)
+
+        return cast("F", recorded_call)
+
+    return decorate
+
+
 class Lifetime:
     """The torch process groups of one ``distributed()`` block, and whether it is still open.
 
@@ -59,13 +149,15 @@ class Lifetime:
     so that once the block exits nothing pdist handed out keeps a destroyed
     process group alive (torch 2.13 with gloo can abort at interpreter exit
     while one is still referenced). It also holds the block's cache of built
-    partitions, so that asking twice for the same groups builds them once.
+    partitions, so that asking twice for the same groups builds them once,
+    and pdist's own record of the collectives in flight (:class:`InFlight`).
     """
 
-    __slots__ = ("_created", "_lock", "_owns_default", "_pgs", "cache", "closed")
+    __slots__ = ("_created", "_lock", "_owns_default", "_pgs", "cache", "closed", "in_flight")
 
     def __init__(self) -> None:
         self.closed = False
+        self.in_flight = InFlight()
         self._pgs: list[ProcessGroup] = []
         self._created: list[ProcessGroup] = []
         self._owns_default = False
@@ -98,6 +190,11 @@ class Lifetime:
         """The process group of ``key``; raises once the block has exited."""
         self.check_open()
         return self._pgs[key]
+
+    def process_groups(self) -> list[ProcessGroup]:
+        """Every process group of the block (none once it has exited); safe from any thread."""
+        with self._lock:
+            return list(self._pgs)
 
     def close(self) -> None:
         """Forget every group and destroy the ones this block created; no collective."""

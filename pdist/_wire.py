@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import PdistError
-from ._group import Group
+from ._group import Group, recorded
 
 __all__ = [
     "FIRST_MESSAGE_BYTES",
@@ -277,6 +277,7 @@ def reraise_own(error: BaseException | None, group: Group, what: str, rank: int)
         raise _failure(group, what, rank, type(error).__name__, str(error)) from error
 
 
+@recorded("broadcast")
 def broadcast_bytes(
     group: Group,
     payload: bytes | None,
@@ -308,6 +309,7 @@ def broadcast_bytes(
     return unframe(data, group, what)
 
 
+@recorded("send", p2p=True)
 def send_bytes(
     group: Group,
     payload: bytes | None,
@@ -332,6 +334,7 @@ def send_bytes(
     reraise_own(error or failure, group, what, group.rank)
 
 
+@recorded("recv", p2p=True)
 def recv_bytes(group: Group, src: int, *, what: str = "recv") -> bytes:
     """Receive what group index ``src`` sent with :func:`send_bytes`."""
     src_global = group.global_rank(src)
@@ -376,6 +379,7 @@ def allocated(
     return buffers
 
 
+@recorded("all_gather")
 def all_gather_bytes(
     group: Group,
     payload: bytes | None,
@@ -453,6 +457,7 @@ def exchange(
     return out
 
 
+@recorded("agree")
 def agree(group: Group, digest: bytes) -> bool:
     """Whether every rank of ``group`` passed the same ``digest`` (one small all-reduce).
 
@@ -469,6 +474,7 @@ def agree(group: Group, digest: bytes) -> bool:
     return int(both[0]) == -int(both[1])
 
 
+@recorded("settle")
 def settle(group: Group, error: BaseException | None, *, what: str) -> None:
     """Every rank reports whether its local step failed; if one did, every rank raises.
 
