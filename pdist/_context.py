@@ -1,10 +1,12 @@
-"""``distributed()``: settings, then store, deadline, world, groups, hosts; and exact teardown.
+"""``distributed()``: settings, then store, deadline, world, groups, hosts, watch; exact teardown.
 
 The start-up runs under one deadline (``startup_timeout``), armed before the
 rendezvous and disarmed when ``__enter__`` returns, so a stalled bring-up
 (a rank that never arrives, a communicator that never forms) ends every
 waiting rank with exit code 93 and a message naming the stage and the ranks
-that never checked in, instead of hanging. It never covers the user's block.
+that never checked in, instead of hanging. It never covers the user's block:
+the stall watch (``stall_timeout``) does, from the moment the context exists
+until the block exits, when it is stopped before any group is destroyed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
-from . import _env, _subgroups, _topology
+from . import _env, _stall, _subgroups, _topology
 from ._errors import PdistError
 from ._group import DistContext, Lifetime
 from ._guard import Deadline, default_store, probe_world
@@ -68,6 +70,9 @@ class _Distributed:
         self._state = "new"
         self._lifetime: Lifetime | None = None
         self._restore: list[Any] = []
+        self._watch: _stall.Watch | None = None
+        self._block: tuple[Store, str] | None = None  # the rendezvous store, the block's prefix
+        self._hosts_store = False
 
     def __enter__(self) -> DistContext:
         if self._state != "new":
@@ -117,7 +122,37 @@ class _Distributed:
             before = _topology.apply_gpu_affinity(ctx.device)
             if before is not None:
                 self._restore.append(lambda: os.sched_setaffinity(0, before))
+        self._start_watch(lifetime, ctx)
         return ctx
+
+    def _watched(self) -> bool:
+        """Whether this block gets a stall watch: on, and a world whose collectives can wait."""
+        s = self._settings
+        return s.stall_timeout is not None and s.launch.world_size > 1 and s.backend != "fake"
+
+    def _arm_recorder(self) -> None:
+        if self._watched() and not self._settings.adopt:
+            undo = _stall.arm_flight_recorder()
+            if undo is not None:
+                self._restore.append(undo)
+
+    def _start_watch(self, lifetime: Lifetime, ctx: DistContext) -> None:
+        settings = self._settings
+        if not self._watched() or self._block is None or settings.stall_timeout is None:
+            return
+        store, prefix = self._block
+        self._watch = _stall.Watch(
+            lifetime=lifetime,
+            rank=settings.launch.rank,
+            world_size=settings.launch.world_size,
+            stall_timeout=settings.stall_timeout,
+            on_stall=settings.on_stall,
+            answer=settings.stall_answer,
+            store=store,
+            prefix=prefix,
+            hosts_store=self._hosts_store,
+        )
+        self._watch.start([ctx.world, ctx.node, ctx.tp, ctx.sp, ctx.dp, ctx.dp_sp])
 
     def _bind_device(self) -> None:
         device = self._settings.device
@@ -155,6 +190,7 @@ class _Distributed:
         hosts = launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         if hosts:
             deadline.hosts_store()
+            self._hosts_store = True
         return TCPStore(
             addr,
             port,
@@ -185,6 +221,7 @@ class _Distributed:
     def _build(self, lifetime: Lifetime, deadline: Deadline) -> DistContext:
         settings = self._settings
         launch = settings.launch
+        self._arm_recorder()  # before the first process group: torch reads it once
         self._bind_device()
         store = self._open_store(deadline)
         if settings.backend != "fake":  # a simulated world (torch's fake group) has no real store
@@ -192,6 +229,7 @@ class _Distributed:
             generation = deadline.check_in(store, "startup")
             # Each block's groups keep their rendezvous keys apart: a second block in the
             # same job must never read the first one's (closed) addresses.
+            self._block = (store, f"pdist/block/{generation}")
             store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
@@ -232,6 +270,9 @@ class _Distributed:
 
     def _close(self) -> None:
         self._state = "closed"
+        watch, self._watch = self._watch, None
+        if watch is not None:  # its threads read the groups: joined before any is destroyed
+            watch.stop()
         # Modules, meshes and compiled functions the user dropped may sit in reference
         # cycles that still hold process groups; collect them while the groups exist
         # (torch 2.13 with gloo can abort at exit when such a cycle outlives its group).
@@ -270,6 +311,8 @@ def distributed(
     device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
     startup_timeout: float | timedelta | None = None,
+    stall_timeout: float | timedelta | None = None,
+    on_stall: str = _env.DEFAULT_ON_STALL,
     store: Store | None = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -292,10 +335,18 @@ def distributed(
     naming its stage and the ranks that never checked in, and so does a
     start-up that fails after its deadline passed (a peer that gave up took
     the store along). The deadline never covers the block itself. Then, on
-    CUDA, it pins the CPU affinity of the GPU. On exit it collects garbage (so
+    CUDA, it pins the CPU affinity of the GPU, and it starts the stall watch:
+    while the block runs, a collective on the block's groups that waits
+    longer than ``stall_timeout`` produces, within seconds, one report on the
+    ``pdist`` logger of which rank is where (groups, sequence numbers, ops,
+    call sites, main-thread stacks, ranks that did not answer), logged at
+    ERROR by the lowest answering rank, and with ``on_stall="exit"`` every
+    answering rank then exits with :data:`~pdist.STALL_EXIT_CODE` (94). The
+    watch costs no collective and no store traffic while the job is healthy.
+    On exit it stops the watch, collects garbage (so
     modules holding groups in reference cycles go first), destroys exactly the
     process groups it created, with no collective, also when the block raises,
-    and restores the current device and CPU affinity it changed. The returned
+    and restores the current device, CPU affinity and environment it changed. The returned
     object can be entered once.
 
     .. note:: Every rank of the job must enter it.
@@ -311,6 +362,13 @@ def distributed(
             or 1800 s. ``PDIST_SUBGROUP_TIMEOUT_SEC`` overrides it for subgroups.
         startup_timeout: Deadline of the whole start-up (seconds or ``timedelta``);
             None reads ``PDIST_WORLD_COMM_TIMEOUT_SEC`` (default 600 s); 0 waits forever.
+        stall_timeout: How long a collective may wait before the stall report (seconds or
+            ``timedelta``); None reads ``PDIST_STALL_TIMEOUT_SEC`` (default 300 s); 0 turns
+            the watch off (no thread; torch's flight recorder is left as it is).
+        on_stall: ``"report"``: log the report and keep waiting (report again when the
+            picture changes, at most once per ``stall_timeout``); ``"exit"``: log it, then
+            every answering rank exits with code 94. Default ``"report"``, or
+            ``PDIST_ON_STALL`` when set.
         store: A ``torch.distributed.Store`` to rendezvous through instead of the launcher's.
         rank: Overrides the launcher's rank.
         world_size: Overrides the launcher's world size.
@@ -321,7 +379,8 @@ def distributed(
         A single-use context manager yielding the :class:`DistContext`.
 
     Raises:
-        ValueError: Bad sizes, backend, device or durations (see the message for the fix).
+        ValueError: Bad sizes, backend, device, durations or ``on_stall`` (see the
+            message for the fix).
         RankMismatchError: On entry, when ranks passed different ``tp`` or ``sp``
             (on every rank).
         PdistError: Entered twice, or the hosts hold different numbers of ranks
@@ -334,6 +393,8 @@ def distributed(
         device=device,
         timeout=timeout,
         startup_timeout=startup_timeout,
+        stall_timeout=stall_timeout,
+        on_stall=on_stall,
         store_given=store is not None,
         rank=rank,
         world_size=world_size,

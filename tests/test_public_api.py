@@ -63,6 +63,8 @@ PUBLIC = {
     "world_comm_guard",
     "world_comm_timeout",
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
+    # stalls
+    "STALL_EXIT_CODE",
     # same host
     "message_queue",
     "graph_capture",
