@@ -51,6 +51,18 @@ def _parser() -> argparse.ArgumentParser:
         "next to init_device_mesh, instead of timing collectives; 'default' = "
         "512,4096,8192,16384",
     )
+    bench.add_argument(
+        "--stall-overhead",
+        action="store_true",
+        help="time an all_reduce, a broadcast_object and a DDP step with the stall watch on "
+        "against stall_timeout=0, in alternating worlds of fresh processes",
+    )
+    bench.add_argument(
+        "--runs",
+        type=_positive,
+        default=3,
+        help="with --stall-overhead: worlds per setting (default 3)",
+    )
     return parser
 
 
@@ -100,9 +112,23 @@ def _format(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _stall_overhead(args: argparse.Namespace) -> int:
+    from ._bench_stall import format_overhead, measure_overhead
+
+    report = measure_overhead(args.nproc or 2, args.runs, args.quick)
+    print(format_overhead(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {len(report['cases'])} cases to {args.json}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.simulate_world is not None:
         return _simulate(args.simulate_world, args.json)
+    if args.stall_overhead:
+        return _stall_overhead(args)
     from ._bench_cases import bench_rank as _bench_rank
 
     if "RANK" in os.environ and args.nproc is None:
