@@ -316,7 +316,11 @@ class Watch:
         self._detector = _Detector(lifetime.in_flight, self._use_recorder)
 
     def _connection(self) -> Store | None:
-        conn = _compat.store_connection(self._base)
+        try:
+            conn = _compat.store_connection(self._base)
+        except Exception:  # the store refuses a second client: this rank reports alone
+            logger.debug("pdist: rank %d: no second store connection", self.rank, exc_info=True)
+            return None
         return None if conn is None else PrefixStore(self._prefix, conn)
 
     def start(self, groups: Sequence[Group] = ()) -> None:
@@ -387,9 +391,14 @@ class Watch:
             return
         self._tried = k
         if len(self._threads) > 1 and self._threads[0].is_alive():
-            self._request(k)
-            return
-        # No answering thread (no second store connection): this rank's view only.
+            try:
+                self._request(k)
+                return
+            except Exception:  # a store that fails mid-round: still say what this rank sees
+                logger.warning("pdist: rank %d: stall round %d failed", self.rank, k, exc_info=True)
+        # No answering thread (no second store connection, or the store left): this rank's view.
+        with self._lock:
+            self._phase = ("wake", k + 1)
         text = format_report([record], stall_timeout=self.stall_timeout, round_no=k)
         self._act(self._verdict([record], k), k, text)
 
@@ -442,6 +451,11 @@ class Watch:
     # ------------------------------------------------------------------ answering side
 
     def _wait(self, conn: Store, phase: str, k: int, timeout: timedelta) -> bytes | None:
+        """Block until this rank's ``phase`` key of round ``k`` is set; None: stop (or no store).
+
+        Raises:
+            OSError: The store did not answer (it went away, or the wait ran out).
+        """
         key = f"{phase}/{self.rank}/{k}"
         with self._lock:
             if self._stopping.is_set():
@@ -450,19 +464,27 @@ class Watch:
         try:
             conn.wait([key], timeout)
             value = conn.get(key)
-        except Exception:  # the wait ran out, or the store went away
-            return None
+        except Exception as exc:  # torch raises its DistStoreError or a RuntimeError
+            raise OSError(f"the store did not answer: {exc}") from exc
         self._mine.add(key)
         return None if value == b"exit" or self._stopping.is_set() else value
 
     def _listen(self, conn: Store) -> None:
         k = 1
         while not self._stopping.is_set():
-            if self._wait(conn, "wake", k, _FOREVER) is not None:
+            try:
+                woken = self._wait(conn, "wake", k, _FOREVER)
+            except OSError:
+                if _answers(conn):
+                    continue  # a day without a stall: wait again
+                # The store is gone: the polling thread reports alone from now on.
+                logger.debug("pdist: rank %d: the stall watch lost its store", exc_info=True)
+                return
+            if woken is not None:
                 try:
                     self._answer(conn, k)
-                except Exception:  # a round that failed must not end the watch
-                    logger.warning("pdist: rank %d: answering a stall round failed", self.rank)
+                except Exception:  # a round that failed (its requester left) ends only itself
+                    logger.warning("pdist: rank %d: a stall round failed", self.rank, exc_info=True)
             k += 1
             with self._lock:
                 self._phase = ("wake", k)
@@ -472,7 +494,11 @@ class Watch:
         conn.set(key, json.dumps(self._record(), separators=(",", ":")))
         self._mine.add(key)
         conn.add(f"count/{k}", 1)
-        told = self._wait(conn, "told", k, timedelta(seconds=self.answer + _GRACE))
+        try:
+            told = self._wait(conn, "told", k, timedelta(seconds=self.answer + _GRACE))
+        except OSError:  # no verdict: the requester left, or this rank answered too late
+            logger.info("pdist: rank %d: no verdict came for stall round %d", self.rank, k)
+            return
         if told is None:
             return
         verdict = json.loads(told)
@@ -503,12 +529,34 @@ class Watch:
         os._exit(STALL_EXIT_CODE)
 
 
+def _answers(conn: Store) -> bool:
+    try:
+        conn.check(["alive"])
+    except Exception:  # torch raises its DistStoreError or a RuntimeError
+        return False
+    return True
+
+
 def _present(conn: Store, keys: list[str]) -> list[str]:
     found = []
     for i in range(0, len(keys), _CHUNK):
         part = keys[i : i + _CHUNK]
         found += part if conn.check(part) else [key for key in part if conn.check([key])]
     return found
+
+
+def _well_formed(rec: dict[str, Any]) -> bool:
+    """Whether a peer's record has the shape the report reads (a bad one counts as no answer)."""
+    frames_ok = all(isinstance(f, list) and len(f) == 3 for f in rec["stack"])
+    for group in rec["groups"]:
+        op = group["inflight"]
+        if not isinstance(group["key"], str) or not (
+            op is None or isinstance(op["age"], (int, float))
+        ):
+            return False
+        if op is not None and not isinstance(op["seq"], int):
+            return False
+    return frames_ok
 
 
 def _read_answers(conn: Store, k: int, world_size: int) -> list[dict[str, Any]]:
@@ -518,8 +566,8 @@ def _read_answers(conn: Store, k: int, world_size: int) -> list[dict[str, Any]]:
     for i in range(0, len(keys), _CHUNK):
         part = keys[i : i + _CHUNK]
         for key, raw in zip(part, conn.multi_get(part), strict=True):
-            with contextlib.suppress(ValueError, TypeError, KeyError):
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 rec = json.loads(raw)
-                if rec["rank"] == int(key.rsplit("/", 1)[1]) and isinstance(rec["stack"], list):
+                if rec["rank"] == int(key.rsplit("/", 1)[1]) and _well_formed(rec):
                     records.append(rec)
     return records
