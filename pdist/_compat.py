@@ -380,10 +380,14 @@ def store_connection(store: Any) -> Any:
     A TCP store serializes the calls of one connection: a thread blocked in
     ``wait`` there would block every other call on it. ``Store.clone()``
     gives a second connection (torch 2.7+); before it, a TCP store gets a
-    second client to the same address. In-process stores (hash, file) are
-    safe to share and come back as they are. None for a ``PrefixStore`` on a
-    torch without ``clone``: its prefix cannot be read back there.
+    second client to the same address. A hash store (in-process) is safe to
+    share and comes back as it is. None for a file store, whose ``wait``
+    re-reads its file every few milliseconds (traffic while nothing happens),
+    and for a ``PrefixStore`` on a torch without ``clone`` (its prefix cannot
+    be read back there).
     """
+    if isinstance(store, _c10d.FileStore):
+        return None
     if FEATURES.store_clone:
         with contextlib.suppress(Exception):  # a store type without clone
             return store.clone()

@@ -108,7 +108,8 @@ def _group_section(records: list[dict[str, Any]]) -> list[str]:
         members = groups[key]
         label, source = members[0][1].get("label", key), members[0][1].get("source", "")
         ranks = _who([r for r, _, _ in members])
-        lines.append(f"  group {label} ({source}, {key[:12]}), {ranks}:")
+        where = f"pg {key[:12]}, {source}" if source == "flight recorder" else source
+        lines.append(f"  group {label} ({where}), {ranks}:")
         lines += _signature_lines(members) + _behind_lines(members)
     if len(busy) > _SHOWN_GROUPS:
         lines.append(f"  ... {len(busy) - _SHOWN_GROUPS} more groups with collectives in flight")
