@@ -127,7 +127,10 @@ def recorded(op: str, *, p2p: bool = False) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def recorded_call(group: Group | DistContext, *args: Any, **kwargs: Any) -> Any:
-            g = as_group(group)
+            g = group.world if isinstance(group, DistContext) else group
+            # A bad group is the function's own error to raise; a traced call has no time.
+            if not isinstance(g, Group) or torch.compiler.is_compiling():
+                return fn(group, *args, **kwargs)
             record = g.lifetime.in_flight
             if not record.active:
                 return fn(group, *args, **kwargs)
