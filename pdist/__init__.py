@@ -46,6 +46,7 @@ from ._ranks import is_rank0 as is_rank0
 from ._ranks import rank0_first as rank0_first
 from ._ranks import rank0_only as rank0_only
 from ._sequence import ulysses_attention as ulysses_attention
+from ._stall import STALL_EXIT_CODE as STALL_EXIT_CODE
 from ._subgroups import device_mesh as device_mesh
 from ._subgroups import new_group as new_group
 from ._subgroups import new_sp_group as new_sp_group
@@ -63,6 +64,7 @@ from ._training import wrap_ddp as wrap_ddp
 __version__ = "0.1.0"
 
 __all__ = [
+    "STALL_EXIT_CODE",
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
     "DistContext",
     "DistributedDataParallel",

@@ -32,6 +32,7 @@ from ._errors import (
     kind_name,
 )
 from ._group import Group
+from ._inflight import recorded
 
 __all__ = [
     "agree",
@@ -91,6 +92,7 @@ def _raise_from_slots(
     raise PdistError(msg)
 
 
+@recorded("status")
 def status(
     group: Group, error: BaseException | None, *, what: str, summary: str | bytes | None = None
 ) -> bool:

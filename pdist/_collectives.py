@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
+from ._inflight import recorded
 from ._launches import (
     GENERIC,
     OPS,
@@ -217,11 +218,25 @@ def _closed(group: Group, x: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 
 def _forward(
-    spec: _Spec, g: Group, x: torch.Tensor, args: tuple[Any, ...], async_op: bool = False
+    name: str, g: Group, x: torch.Tensor, args: tuple[Any, ...], async_op: bool = False
 ) -> torch.Tensor:
+    spec = _SPECS[name]
     if spec.launch is None or torch.compiler.is_compiling():
         return spec.traced(g, x, *args)
-    return result(spec.launch(g, local(x), *args), async_op)
+    return _eager(g, local(x), spec.launch, args, async_op, what=name)
+
+
+@recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
+def _eager(
+    g: Group,
+    x: torch.Tensor,
+    launch: Callable[..., Launched],
+    args: tuple[Any, ...],
+    async_op: bool,
+    *,
+    what: str,
+) -> torch.Tensor:
+    return result(launch(g, x, *args), async_op)
 
 
 def _collective(
@@ -239,7 +254,7 @@ def _collective(
         return _closed(g, x, spec.shape(g, x, *args))
     if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
         return cast("torch.Tensor", _Collective.apply(name, g, x, args, async_op))  # type: ignore[no-untyped-call]
-    return _forward(spec, g, x.detach() if x.requires_grad else x, args, async_op)
+    return _forward(name, g, x.detach() if x.requires_grad else x, args, async_op)
 
 
 class _Collective(torch.autograd.Function):
@@ -250,12 +265,12 @@ class _Collective(torch.autograd.Function):
         ctx: Any, name: str, group: Group, x: torch.Tensor, args: tuple[Any, ...], async_op: bool
     ) -> torch.Tensor:
         ctx.group, ctx.grad = group, _SPECS[name].backward(*args)
-        return _forward(_SPECS[name], group, x, args, async_op)
+        return _forward(name, group, x, args, async_op)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, None, None]:
         name, args, divide = ctx.grad
-        out = _forward(_SPECS[name], ctx.group, grad, args)
+        out = _forward(name, ctx.group, grad, args)
         return None, None, out / ctx.group.world_size if divide else out, None, None
 
 
@@ -280,7 +295,7 @@ def _in_place(
     buf = local(x)
     target = buf if buf.is_contiguous() else buf.contiguous()
     with torch.no_grad():
-        result(launch(group, target, *args), async_op=False)
+        _eager(group, target, launch, args, False, what=launch.__name__)
         if target is not buf:
             buf.copy_(target)
     return x
@@ -519,6 +534,7 @@ def shard(
     return _collective("shard", group, x, dim, scale_grad)
 
 
+@recorded("send", p2p=True)
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
@@ -533,6 +549,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     dist.send(local(x).detach().contiguous(), dst=peer, group=g.device_group)
 
 
+@recorded("recv", p2p=True)
 def recv(
     group: Group | DistContext,
     shape: int | tuple[int, ...] | list[int] | torch.Size,

@@ -57,6 +57,7 @@ __all__ = [
     "is_async_tensor",
     "l2_fetch_granularity",
     "parse_version",
+    "recorder_sees_gloo",
     "reduce_scatter_into",
     "register_fake_backend",
     "register_work",
@@ -317,19 +318,6 @@ def default_store() -> Store | None:
         return None
 
 
-def store_connection(store: Store) -> Store:
-    """Another client of ``store``, for a thread that must not queue behind the main one.
-
-    ``Store.clone()`` where torch has it (2.7 and newer); before that a new
-    connection to a ``TCPStore``'s address; any other store is shared as it is.
-    """
-    if FEATURES.store_clone:
-        return store.clone()  # type: ignore[attr-defined,no-any-return]
-    if isinstance(store, TCPStore):
-        return TCPStore(store.host, store.port, is_master=False, wait_for_workers=False)
-    return store
-
-
 def register_fake_backend() -> None:
     """Register torch's ``"fake"`` backend (a test helper of torch's), for simulated worlds."""
     importlib.import_module("torch.testing._internal.distributed.fake_pg")
@@ -367,8 +355,16 @@ def fsdp_param_groups(module: Any) -> list[Any]:
 # --------------------------------------------------------------------------- flight recorder
 
 
-def dump_flight_recorder() -> dict[str, Any] | None:
+def dump_flight_recorder(*, collectives: bool = True, stacks: bool = True) -> dict[str, Any] | None:
     """This process's flight recorder: its groups' sequence numbers and recorded collectives.
+
+    ``pg_status`` maps each group's ``pg_id`` (as a string) to its last
+    enqueued / started / completed sequence numbers; with ``collectives``,
+    ``entries`` lists the recorded collectives (``pg_id``, ``process_group``
+    as ``(name, desc)``, ``collective_seq_id``, ``profiling_name``, sizes,
+    dtypes, wall-clock ``time_created_ns``, ``retired``). ``stacks`` adds each
+    entry's Python ``frames``: torch symbolizes them through ``torch._dynamo``,
+    so the first such dump of a process imports it (seconds); polls leave it off.
 
     None where the recorder holds nothing this torch can dump for every backend
     (torch 2.6 dumps NCCL only) or fails to dump.
@@ -378,11 +374,45 @@ def dump_flight_recorder() -> dict[str, Any] | None:
         return None
     dump = getattr(_c10d, name)
     try:
-        raw = dump(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+        raw = dump(includeCollectives=collectives, includeStackTraces=stacks, onlyActive=False)
     except Exception:  # no recorder armed, or a backend the dump does not know
         return None
     data = pickle.loads(raw)  # the process's own recorder: data this process wrote
     return data if isinstance(data, dict) else None
+
+
+def recorder_sees_gloo() -> bool:
+    """Whether torch's flight recorder records gloo collectives (its ``_dump_fr_trace``, 2.7+)."""
+    return FEATURES.flight_recorder == "_dump_fr_trace"
+
+
+# --------------------------------------------------------------------------- stores
+
+
+def store_connection(store: Store) -> Store | None:
+    """A store that reaches ``store``'s keys without sharing its connection, or None.
+
+    A TCP store serializes the calls of one connection: a thread blocked in
+    ``wait`` there would block every other call on it. ``Store.clone()``
+    gives a second connection (torch 2.7+); before it, a TCP store gets a
+    second client to the same address. A hash store (in-process) is safe to
+    share and comes back as it is. None for a file store, whose ``wait``
+    re-reads its file every few milliseconds (traffic while nothing happens),
+    and for a ``PrefixStore`` on a torch without ``clone`` (its prefix cannot
+    be read back there).
+    """
+    if isinstance(store, _c10d.FileStore):
+        return None
+    if FEATURES.store_clone:
+        with contextlib.suppress(Exception):  # a store type without clone
+            return store.clone()  # type: ignore[attr-defined,no-any-return]
+    if isinstance(store, TCPStore):
+        timeout = getattr(store, "timeout", None)
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        return TCPStore(store.host, store.port, is_master=False, wait_for_workers=False, **kwargs)
+    if isinstance(store, PrefixStore):
+        return None
+    return store
 
 
 # --------------------------------------------------------------------------- unpickling

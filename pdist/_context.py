@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env, _subgroups, _topology
+from . import _compat, _env, _stall, _subgroups, _topology
 from ._compat import HashStore, PrefixStore, Store, TCPStore
 from ._errors import PdistError
 from ._group import DistContext, Lifetime
@@ -66,6 +66,9 @@ class _Distributed:
         self._state = "new"
         self._lifetime: Lifetime | None = None
         self._restore: list[Any] = []
+        self._watch: _stall.Watch | None = None
+        self._block: tuple[Store, str] | None = None  # the rendezvous store, the block's prefix
+        self._hosts_store = False
 
     def __enter__(self) -> DistContext:
         if self._state != "new":
@@ -115,7 +118,31 @@ class _Distributed:
             before = _topology.apply_gpu_affinity(ctx.device)
             if before is not None:
                 self._restore.append(lambda: os.sched_setaffinity(0, before))
+        self._start_watch(lifetime, ctx)
         return ctx
+
+    def _watched(self) -> bool:
+        """Whether this block gets a stall watch: on, and a world whose collectives can wait."""
+        s = self._settings
+        return s.stall_timeout is not None and s.launch.world_size > 1 and s.backend != "fake"
+
+    def _start_watch(self, lifetime: Lifetime, ctx: DistContext) -> None:
+        settings = self._settings
+        if not self._watched() or self._block is None or settings.stall_timeout is None:
+            return
+        store, prefix = self._block
+        self._watch = _stall.Watch(
+            lifetime=lifetime,
+            rank=settings.launch.rank,
+            world_size=settings.launch.world_size,
+            stall_timeout=settings.stall_timeout,
+            on_stall=settings.on_stall,
+            answer=settings.stall_answer,
+            store=store,
+            prefix=prefix,
+            hosts_store=self._hosts_store,
+        )
+        self._watch.start([ctx.world, ctx.node, ctx.tp, ctx.sp, ctx.dp, ctx.dp_sp])
 
     def _bind_device(self) -> None:
         device = self._settings.device
@@ -171,6 +198,7 @@ class _Distributed:
                 addr, port, launch.world_size, timeout=settings.timeout, wait_for_workers=False
             )
         deadline.hosts_store()
+        self._hosts_store = True
         hosted = _HOSTED.get((addr, port))
         if hosted is None:
             hosted = _HOSTED[(addr, port)] = TCPStore(
@@ -204,6 +232,10 @@ class _Distributed:
     def _build(self, lifetime: Lifetime, deadline: Deadline) -> DistContext:
         settings = self._settings
         launch = settings.launch
+        if self._watched() and not settings.adopt:  # before the first group: torch reads it once
+            undo = _stall.arm_flight_recorder()
+            if undo is not None:
+                self._restore.append(undo)
         self._bind_device()
         if settings.l2_fetch_granularity is not None:
             self._set_l2_fetch_granularity(settings.device, settings.l2_fetch_granularity)
@@ -212,6 +244,7 @@ class _Distributed:
         generation = deadline.check_in(store, "startup")
         # Each block's groups keep their rendezvous keys apart: a second block in the
         # same job must never read the first one's (closed) addresses.
+        self._block = (store, f"pdist/block/{generation}")
         store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
@@ -252,6 +285,9 @@ class _Distributed:
 
     def _close(self) -> None:
         self._state = "closed"
+        watch, self._watch = self._watch, None
+        if watch is not None:  # its threads read the groups: joined before any is destroyed
+            watch.stop()
         # Modules, meshes and compiled functions the user dropped may sit in reference
         # cycles that still hold process groups; collect them while the groups exist
         # (torch 2.13 with gloo can abort at exit when such a cycle outlives its group).
@@ -291,6 +327,8 @@ def distributed(
     timeout: float | timedelta | None = None,
     startup_timeout: float | timedelta | None = None,
     l2_fetch_granularity: int | None = None,
+    stall_timeout: float | timedelta | None = None,
+    on_stall: str = _env.DEFAULT_ON_STALL,
     store: Store | None = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -306,12 +344,15 @@ def distributed(
     under ``startup_timeout``: a rank that never arrives or a communicator
     that never forms ends every waiting rank with exit code 93
     (:data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`), naming the stage and the
-    ranks that never checked in; the block itself is never covered. An
+    ranks that never checked in; the block itself is never covered: there the
+    stall watch (``stall_timeout``) turns a collective that waits too long into
+    one report of which rank is where, within seconds, at no cost in
+    collectives or store traffic while the job is healthy. An
     already initialized default group is adopted and left alone. On exit it
     destroys exactly the groups it created (no collective, also when the block
-    raises) and restores the current device, CPU affinity and L2 fetch
-    granularity it changed. The returned object can be entered once; blocks
-    may follow each other in one job.
+    raises, after stopping the watch) and restores the current device, CPU
+    affinity, L2 fetch granularity and environment it changed. The returned
+    object can be entered once; blocks may follow each other in one job.
 
     .. note:: Every rank of the job must enter it.
 
@@ -329,6 +370,13 @@ def distributed(
         l2_fetch_granularity: On CUDA, the L2 fetch granularity to set, in bytes
             (Cosmos sets 128); None leaves the device alone. A warning says why
             when it cannot be set.
+        stall_timeout: How long a collective may wait before the stall report (seconds or
+            ``timedelta``); None reads ``PDIST_STALL_TIMEOUT_SEC`` (default 300 s); 0 turns
+            the watch off (no thread; torch's flight recorder is left as it is).
+        on_stall: ``"report"``: log the report (on the ``pdist`` logger, at ERROR, by the
+            lowest answering rank) and keep waiting, reporting again when the picture
+            changes; ``"exit"``: log it, then every answering rank exits with
+            :data:`~pdist.STALL_EXIT_CODE` (94). Default ``"report"``, or ``PDIST_ON_STALL``.
         store: A ``torch.distributed.Store`` to rendezvous through instead of the launcher's.
         rank: Overrides the launcher's rank.
         world_size: Overrides the launcher's world size.
@@ -339,7 +387,8 @@ def distributed(
         A single-use context manager yielding the :class:`DistContext`.
 
     Raises:
-        ValueError: Bad sizes, backend, device or durations (see the message for the fix).
+        ValueError: Bad sizes, backend, device, durations or ``on_stall`` (see the
+            message for the fix).
         RankMismatchError: On entry, when ranks passed different ``tp`` or ``sp``
             (on every rank).
         PdistError: Entered twice, or the hosts hold different numbers of ranks
@@ -353,6 +402,8 @@ def distributed(
         timeout=timeout,
         startup_timeout=startup_timeout,
         l2_fetch_granularity=l2_fetch_granularity,
+        stall_timeout=stall_timeout,
+        on_stall=on_stall,
         store_given=store is not None,
         rank=rank,
         world_size=world_size,

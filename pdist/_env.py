@@ -26,9 +26,13 @@ from ._layout import Layout, make_layout
 
 __all__ = [
     "DEFAULT_BACKENDS",
+    "DEFAULT_ON_STALL",
+    "DEFAULT_STALL_ANSWER_SEC",
+    "DEFAULT_STALL_TIMEOUT_SEC",
     "DEFAULT_TIMEOUT_SEC",
     "DEFAULT_WORLD_COMM_TIMEOUT_SEC",
     "KNOWN_BACKENDS",
+    "ON_STALL_MODES",
     "Accelerator",
     "Adopted",
     "Launch",
@@ -38,6 +42,7 @@ __all__ = [
     "env_backend",
     "env_seconds",
     "resolve_settings",
+    "stall_settings",
     "to_seconds",
     "world_comm_timeout",
 ]
@@ -49,6 +54,28 @@ DEFAULT_TIMEOUT_SEC = 1800.0
 
 DEFAULT_WORLD_COMM_TIMEOUT_SEC = 600.0
 """Deadline of the world-communicator guard when ``PDIST_WORLD_COMM_TIMEOUT_SEC`` is unset."""
+
+DEFAULT_STALL_TIMEOUT_SEC = 300.0
+"""How long a collective may wait before the stall watch reports (``PDIST_STALL_TIMEOUT_SEC``)."""
+
+DEFAULT_STALL_ANSWER_SEC = 10.0
+"""How long a stall report waits for the ranks' answers (``PDIST_STALL_ANSWER_SEC``)."""
+
+ON_STALL_MODES = ("report", "exit")
+"""What ``distributed(on_stall=...)`` accepts."""
+
+
+class _DefaultMode(str):
+    """``on_stall``'s default: equal to ``"report"``, told apart from one the caller wrote.
+
+    ``PDIST_ON_STALL`` replaces the default, never a value the caller wrote.
+    """
+
+    __slots__ = ()
+
+
+DEFAULT_ON_STALL: str = _DefaultMode("report")
+"""The default of ``distributed(on_stall=...)``: ``"report"``, unless ``PDIST_ON_STALL`` says."""
 
 
 @attrs.frozen(kw_only=True)
@@ -297,6 +324,10 @@ class Settings:
         subgroup_timeout: Collective timeout of the subgroups.
         startup_timeout: Deadline of the whole start-up in seconds; None waits forever.
         l2_fetch_granularity: CUDA L2 fetch granularity to set, in bytes; None leaves it.
+        stall_timeout: Seconds a collective may wait before the stall watch reports;
+            None: no watch.
+        on_stall: ``"report"`` or ``"exit"``.
+        stall_answer: Seconds a stall report waits for the ranks' answers.
         cpu_affinity: Pin to the CPUs near the accelerator (NVML, CUDA only).
         adopt: The default group is already initialized: adopt it, leave it alone.
     """
@@ -309,6 +340,9 @@ class Settings:
     subgroup_timeout: timedelta
     startup_timeout: float | None
     l2_fetch_granularity: int | None
+    stall_timeout: float | None
+    on_stall: str
+    stall_answer: float
     cpu_affinity: bool
     adopt: bool
 
@@ -409,6 +443,14 @@ def _resolve_backend(
     return backend
 
 
+def _off_or_seconds(value: float | timedelta, name: str) -> float | None:
+    """A duration argument where ``0`` (or a zero ``timedelta``) means "none": None then."""
+    zero = timedelta(0) if isinstance(value, timedelta) else 0
+    if not isinstance(value, bool) and isinstance(value, (int, float, timedelta)) and value == zero:
+        return None
+    return to_seconds(value, name)
+
+
 def deadline_seconds(
     value: float | timedelta | None, name: str, environ: Mapping[str, str] | None = None
 ) -> float | None:
@@ -420,12 +462,47 @@ def deadline_seconds(
         TypeError: ``value`` is neither a number nor a ``timedelta``.
         ValueError: ``value`` is negative or not finite.
     """
-    if value is None:
-        return world_comm_timeout(environ)
-    zero = timedelta(0) if isinstance(value, timedelta) else 0
-    if not isinstance(value, bool) and isinstance(value, (int, float, timedelta)) and value == zero:
-        return None
-    return to_seconds(value, name)
+    return world_comm_timeout(environ) if value is None else _off_or_seconds(value, name)
+
+
+def _on_stall(value: object, environ: Mapping[str, str]) -> str:
+    if value is DEFAULT_ON_STALL:
+        raw = environ.get("PDIST_ON_STALL", "").strip()
+        if raw and raw.lower() not in ON_STALL_MODES:
+            msg = f"PDIST_ON_STALL={raw!r} is not one of {ON_STALL_MODES}"
+            raise ValueError(msg)
+        return raw.lower() or "report"
+    if not isinstance(value, str) or value not in ON_STALL_MODES:
+        msg = f"on_stall={value!r} is not one of {ON_STALL_MODES}"
+        raise ValueError(msg)
+    return str(value)
+
+
+def stall_settings(
+    stall_timeout: float | timedelta | None,
+    on_stall: str = DEFAULT_ON_STALL,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[float | None, str, float]:
+    """The stall watch's settings: ``(stall_timeout, on_stall, answer wait)`` (pure).
+
+    ``stall_timeout`` None reads ``PDIST_STALL_TIMEOUT_SEC`` (default 300 s);
+    ``0``, there or here, turns the watch off (None). ``on_stall`` left at its
+    default reads ``PDIST_ON_STALL`` (default ``"report"``); a value the caller
+    wrote wins. The answer wait reads ``PDIST_STALL_ANSWER_SEC`` (default 10 s).
+
+    Raises:
+        TypeError: ``stall_timeout`` is neither a number nor a ``timedelta``.
+        ValueError: ``stall_timeout`` is negative or not finite, or ``on_stall``
+            (or ``PDIST_ON_STALL``) is neither ``"report"`` nor ``"exit"``.
+    """
+    env = os.environ if environ is None else environ
+    if stall_timeout is None:
+        name, default = "PDIST_STALL_TIMEOUT_SEC", DEFAULT_STALL_TIMEOUT_SEC
+        seconds = env_seconds(name, default, zero_means_forever=True, environ=env)
+    else:
+        seconds = _off_or_seconds(stall_timeout, "stall_timeout")
+    answer = env_seconds("PDIST_STALL_ANSWER_SEC", DEFAULT_STALL_ANSWER_SEC, environ=env)
+    return seconds, _on_stall(on_stall, env), answer
 
 
 def _launch(
@@ -483,6 +560,8 @@ def resolve_settings(
     timeout: float | timedelta | None = None,
     startup_timeout: float | timedelta | None = None,
     l2_fetch_granularity: int | None = None,
+    stall_timeout: float | timedelta | None = None,
+    on_stall: str = DEFAULT_ON_STALL,
     store_given: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
@@ -517,6 +596,7 @@ def resolve_settings(
     else:
         seconds = to_seconds(timeout, "timeout")
     sub_seconds = env_seconds("PDIST_SUBGROUP_TIMEOUT_SEC", seconds, environ=env)
+    stall, mode, answer = stall_settings(stall_timeout, on_stall, env)
     return Settings(
         launch=launch,
         layout=layout,
@@ -526,6 +606,9 @@ def resolve_settings(
         subgroup_timeout=timedelta(seconds=sub_seconds),
         startup_timeout=deadline_seconds(startup_timeout, "startup_timeout", env),
         l2_fetch_granularity=_l2_fetch_granularity(l2_fetch_granularity),
+        stall_timeout=stall,
+        on_stall=mode,
+        stall_answer=answer,
         cpu_affinity=bool(cpu_affinity),
         adopt=adopted is not None,
     )

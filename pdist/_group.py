@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import PdistError
+from ._inflight import InFlight
 
 __all__ = [
     "Built",
@@ -76,6 +77,7 @@ class Lifetime:
 
     def __init__(self) -> None:
         self.closed = False
+        self.in_flight = InFlight()
         self.subgroup_timeout: timedelta | None = None
         self.partitions: dict[Blocks, Built] = {}
         self._pgs: list[ProcessGroup] = []
@@ -109,6 +111,11 @@ class Lifetime:
         """The process group of ``key``; raises once the block has exited."""
         self.check_open()
         return self._pgs[key]
+
+    def process_groups(self) -> list[ProcessGroup]:
+        """Every process group of the block (none once it has exited); safe from any thread."""
+        with self._lock:
+            return list(self._pgs)
 
     def close(self) -> None:
         """Forget every group and destroy the ones this block created; no collective."""

@@ -71,7 +71,7 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
     done = threading.Event()
 
     def read() -> None:
-        reader = _compat.store_connection(store)
+        reader = _compat.store_connection(store) or store  # a file store reads as it is
         for start in range(0, len(keys), _CHECK_CHUNK):
             chunk = keys[start : start + _CHECK_CHUNK]
             if not reader.check(chunk):

@@ -23,6 +23,7 @@ from . import _agree, _plain, _seams
 from ._buffers import allocate, bytes_of, filled
 from ._errors import ERROR, HEADER, OK, PdistError, encode_marker
 from ._group import Group
+from ._inflight import recorded
 
 __all__ = [
     "FIRST_MESSAGE_BYTES",
@@ -139,6 +140,7 @@ def _receive(group: Group, move: Move, report: Report, what: str) -> bytes:
     return bytes_of(first) + bytes_of(rest)
 
 
+@recorded("broadcast")
 def broadcast_bytes(
     group: Group, payload: bytes | None, src: int, *, error: BaseException | None = None, what: str
 ) -> bytes:
@@ -155,6 +157,7 @@ def broadcast_bytes(
     return unframe(data, group, what)
 
 
+@recorded("send", p2p=True)
 def send_bytes(
     group: Group, payload: bytes | None, dst: int, *, error: BaseException | None = None, what: str
 ) -> None:
@@ -167,6 +170,7 @@ def send_bytes(
     unframe(message, group, what, own=error)
 
 
+@recorded("recv", p2p=True)
 def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
     """Receive what group index ``src`` sent with :func:`send_bytes`."""
     move = functools.partial(dist.recv, src=group.global_rank(src), group=group.cpu_group)
@@ -174,6 +178,7 @@ def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
     return unframe(data, group, what)
 
 
+@recorded("all_gather")
 def all_gather_bytes(
     group: Group, payload: bytes | None, *, error: BaseException | None = None, what: str
 ) -> list[bytes]:

@@ -181,6 +181,7 @@ def spawn(
     *args: Any,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
     capture_output: bool = True,
+    fresh: bool = False,
 ) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
 
@@ -195,6 +196,9 @@ def spawn(
         timeout: Seconds (or ``timedelta``) for the whole run.
         capture_output: Echo each rank's output after the run (and in a failure's
             message); False lets ranks write to this process's stdout as they run.
+        fresh: Run on new worker processes (and drop them afterwards), for code
+            that reads a process-wide setting once, such as the size of torch's
+            flight recorder.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
@@ -213,6 +217,8 @@ def spawn(
     seconds = to_seconds(timeout, "timeout")
     payload = pickle.dumps((fn, args))
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    if fresh:
+        _discard(world_size)
     pool = _pool(world_size)
     tmp = tempfile.mkdtemp(prefix="pdist-spawn-")
     logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
@@ -237,6 +243,8 @@ def spawn(
         _discard(world_size)
         raise
     finally:
+        if fresh:
+            _discard(world_size)
         del store
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -65,6 +65,7 @@ def test_doctor_names_the_failing_check():
         ["doctor", "--nproc", "-3"],
         ["doctor", "--nproc", "two"],
         ["bench", "--nproc", "0"],
+        ["bench", "--stall-overhead", "--runs", "0"],
         ["frobnicate"],
         ["bench", "--fast"],
         [],
@@ -119,6 +120,27 @@ def test_bench_quick_writes_every_figure(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pdist bench: 2 ranks, gloo on cpu, torch " in out
     assert "quick run" in out
+
+
+def test_stall_overhead_table():
+    """--stall-overhead prints each case's medians, the median pair ratio and the watch's CPU."""
+    from pdist.cli.stall import format_overhead
+
+    report = {
+        "world_size": 2,
+        "runs": 2,
+        "torch_version": "2.13.0",
+        "cases": {"all_reduce 1 MiB": {"on": [1e-3, 3e-3], "off": [1e-3, 2e-3], "ratio": 1.25}},
+        "watch_cpu_per_second": [2e-4, 4e-4],
+        "hook_seconds_per_call": {"record on": 2e-6, "record off": 5e-7},
+        "recorder_sees_gloo": True,
+    }
+    text = format_overhead(report)
+    assert "2 watched and 2 unwatched worlds, alternated" in text
+    assert "all_reduce 1 MiB" in text
+    assert "2000us     1500us   1.250  (1.00, 1.50)" in text
+    assert "used 0.30 ms of CPU per second" in text
+    assert "record (gloo p2p only): 2000 ns per call while the watch is on, 500 ns" in text
 
 
 class _Stream(io.StringIO):

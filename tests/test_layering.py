@@ -23,12 +23,13 @@ LAYERS = {
     "_plain": 0,
     "_compat": 1,
     "_env": 1,
-    "_group": 1,
-    "_buffers": 2,
-    "_agree": 3,
-    "_wire": 4,
-    "_serialize": 5,
-    "_payload": 6,
+    "_inflight": 2,
+    "_group": 3,
+    "_buffers": 4,
+    "_agree": 5,
+    "_wire": 6,
+    "_serialize": 7,
+    "_payload": 8,
     **dict.fromkeys(
         [
             "_objects",
@@ -43,17 +44,18 @@ LAYERS = {
             "_subgroups",
             "_guard",
             "_stall",
+            "_stall_report",
             "_context",
             "_ranks",
             "_sequence",
             "_graph",
         ],
-        7,
+        9,
     ),
-    "__init__": 8,
-    "testing": 8,
-    "__main__": 9,
-    "cli": 9,
+    "__init__": 10,
+    "testing": 10,
+    "__main__": 11,
+    "cli": 11,
 }
 
 # Features built on other features (each edge is a reason, not an accident).
@@ -68,7 +70,7 @@ FEATURE_EDGES = {
     ("_context", "_topology"),
     ("_context", "_guard"),
     ("_context", "_stall"),
-    ("_stall", "_guard"),
+    ("_stall", "_stall_report"),  # the watch and its pure formatter
     ("__main__", "cli"),  # python -m pdist runs the command line
 }
 

@@ -64,6 +64,8 @@ PUBLIC = {
     "world_comm_guard",
     "world_comm_timeout",
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
+    # stalls
+    "STALL_EXIT_CODE",
     # same host
     "message_queue",
     "graph_capture",
@@ -89,7 +91,9 @@ def test_all_is_sorted_and_complete():
     for name in pdist.__all__:
         assert getattr(pdist, name) is not None
     exported = {
-        n for n in dir(pdist) if not n.startswith("_") and n not in {"testing", "cli", "annotations"}
+        n
+        for n in dir(pdist)
+        if not n.startswith("_") and n not in {"testing", "cli", "annotations"}
     }
     assert exported == PUBLIC
 

@@ -59,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         help="instead, measure start-up on simulated worlds of W ranks (torch's fake process "
         "group) next to init_device_mesh; 'default' = 512,4096,8192,16384",
     )
+    bench.add_argument(
+        "--stall-overhead",
+        action="store_true",
+        help="instead, time an all_reduce, a broadcast_object and a DDP step with the stall "
+        "watch on against stall_timeout=0, in alternating worlds of fresh processes",
+    )
+    bench.add_argument(
+        "--runs", type=_positive, default=3, help="with --stall-overhead: worlds per setting"
+    )
     return parser
 
 
@@ -112,6 +121,13 @@ def _format(records: list[dict[str, Any]]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     if args.simulate_world is not None:
         return _simulate(args.simulate_world, args.json)
+    if args.stall_overhead:
+        from .stall import format_overhead, measure_overhead
+
+        overhead = measure_overhead(args.nproc or 2, args.runs, args.quick)
+        print(format_overhead(overhead))
+        _write(args.json, overhead, len(overhead["cases"]))
+        return 0
     from .cases import bench_rank
 
     report, reports = on_ranks(bench_rank, args.nproc, args.quick, True, timeout=3600)
