@@ -201,6 +201,33 @@ def test_an_unpicklable_function_says_where_to_define_it(ctx):
         )
 
 
+def _local_class_instance():
+    class Local:  # pickle refers to classes by name: a local one cannot travel
+        pass
+
+    return Local()
+
+
+@world_sizes(3)
+def test_the_failing_rank_keeps_its_own_error_type(ctx):
+    """The rank that cannot pickle raises an AttributeError too, as torch's; peers don't."""
+    bad = 1
+    with pytest.raises(
+        pdist.PdistError, match=r"failed on rank 1: TypeError: cannot pickle"
+    ) as info:
+        pdist.gather_object(ctx, _local_class_instance() if ctx.rank == bad else 1, dst=0)
+    error = info.value
+    assert isinstance(error, TypeError)  # pdist's own contract: a pickling failure is a TypeError
+    if ctx.rank == bad:
+        assert isinstance(error, AttributeError)  # what torch's gather_object raises here
+        cause = error.__cause__
+        assert isinstance(cause, AttributeError)
+        assert isinstance(cause.__cause__, AttributeError)  # pickle's own error, chained
+    else:
+        assert not isinstance(error, AttributeError)
+        assert error.__cause__ is None
+
+
 @world_sizes(2)
 def test_send_object_failure_reaches_the_receiver(ctx):
     """An unpicklable object makes both sender and receiver raise."""

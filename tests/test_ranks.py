@@ -24,6 +24,16 @@ def test_rank0_only(ctx):
     assert _only(ctx, 21) == (42 if ctx.rank == 0 else None)
 
 
+@world_sizes(4)
+def test_is_rank0_of_a_group_answers_for_its_first_rank(ctx):
+    """is_rank0(group) is the rank rank0_only(group) runs on; is_rank0(ctx) is global rank 0."""
+    tp = pdist.new_tp_group(ctx, 2)
+    assert pdist.is_rank0(tp) == (ctx.rank in (0, 2))
+    assert pdist.is_rank0(ctx) == (ctx.rank == 0)
+    ran = pdist.rank0_only(tp)(lambda: True)()
+    assert bool(ran) == pdist.is_rank0(tp)
+
+
 @pdist.rank0_first
 def _prepare(ctx, path):
     # Rank 0 creates the file; the others must find it already there.
