@@ -1,32 +1,29 @@
 """Evaluation: a sampler without padding and a collation back into dataset order.
 
-``EvalSampler`` strides a dataset over ranks without padding, and
-``collate_batches`` gathers every rank's outputs back into dataset order.
+``collate_batches`` takes one metadata round trip when every rank has batches:
 
-``collate_batches`` issues a bounded number of collectives, whatever the
-number of leaves: one metadata exchange for the whole structure (one
-collective on the CPU group when it fits 4 KiB), one small all-reduce once
-every rank has allocated its buffers, then at most three all-gathers per
-transport (CPU group for CPU tensors, device group for device tensors)
-carrying the leaves as raw bytes. On the CPU group, leaves of equal row size
-are gathered straight into dataset order (see ``_gather_rows``).
+1. Each rank checks its batches and reserves the memory of its gathers (for
+   its count + 1 rows: EvalSampler's counts differ by at most one), then
+   all-gathers one framed message (``_wire``; one collective up to 4 KiB):
+   its sample count and metadata record (structure; per leaf the dtype,
+   trailing shape and device type; JSON), or the marker of what failed.
+2. Records byte-equal to this rank's are not parsed; records that differ are,
+   on every rank, for the message. A rank without batches takes the common
+   record and reserves its memory then, behind one ``_agree.status``.
+3. At most three all-gathers per transport carry the leaves as raw bytes,
+   straight into dataset order (:func:`_gather`).
 
-Fail together: everything a rank checks about its own batches (their type,
-structure, devices, layouts) travels in the metadata exchange, as an error
-marker when it fails, and a failed allocation travels through the
-all-reduce; then every rank raises the same error, naming the rank. The
-records are plain data (JSON), never pickles.
-
-Measured and left out: exchanging the rows through /dev/shm segments when
-the group shares a host (tmpfs pages cost about 3 ms per 5 MB per call, more
-than the gloo transfer they replace), and packing while the metadata
-exchange is in flight (4% faster, for a speculative send layout).
+Measured and left out: /dev/shm segments on one host (tmpfs pages cost more
+than the gloo transfer they replace), packing while the metadata is in flight.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
+import json
 import math
+import struct
 from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, NamedTuple
 
@@ -35,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from . import _agree, _wire
-from ._buffers import allocate, offsets
+from ._buffers import ALIGN, aligned, allocate
 from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
@@ -71,11 +68,35 @@ class EvalSampler(Sampler[int]):
         return len(range(self._rank, self._size, self._world))
 
 
-# --------------------------------------------------------------------------- structure
+# --------------------------------------------------------------------------- this rank's batches
 
 Spec = Any  # "T" for a tensor leaf, or (kind, keys, children)
-
 _WHAT = "collate_batches"
+
+
+class _Leaf(NamedTuple):
+    """What every rank agreed on about one leaf: its dtype, trailing shape and device type."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device_type: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per sample."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class _Local(NamedTuple):
+    """This rank's batches, checked: leaf by leaf (columns), and their metadata."""
+
+    spec: Spec  # None: no batches
+    columns: list[list[torch.Tensor]]
+    leaves: list[_Leaf]
+    samples: int
+
+
+_NO_BATCHES = _Local(None, [], [], 0)
 
 
 def _flatten(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]]) -> Spec:
@@ -83,8 +104,7 @@ def _flatten(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]]) -> Spe
         leaves.append((path or "<root>", obj))
         return "T"
     if isinstance(obj, dict):
-        keys = tuple(obj)
-        for k in keys:
+        for k in obj:
             if not _plain_key(k):
                 msg = (
                     f"{path or 'a batch'} has the key {k!r} "
@@ -92,11 +112,11 @@ def _flatten(obj: Any, path: str, leaves: list[tuple[str, torch.Tensor]]) -> Spe
                     "int, float, bool, None or tuples of them"
                 )
                 raise TypeError(msg)
-        return ("dict", keys, tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys))
+        children = tuple(_flatten(v, f"{path}[{k!r}]", leaves) for k, v in obj.items())
+        return ("dict", tuple(obj), children)
     if isinstance(obj, (list, tuple)):
-        kind = "list" if isinstance(obj, list) else "tuple"
         children = tuple(_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj))
-        return (kind, len(obj), children)
+        return ("list" if isinstance(obj, list) else "tuple", len(obj), children)
     msg = (
         f"{path or 'a batch'} is a {type(obj).__name__}; batches hold "
         "tensors in (nested) dicts, lists and tuples"
@@ -110,7 +130,7 @@ def _plain_key(key: Any) -> bool:
     return key is None or isinstance(key, (str, int, float))
 
 
-def _unflatten(spec: Spec, leaves: Iterator[torch.Tensor]) -> Any:
+def _unflatten(spec: Spec, leaves: Iterator[Any]) -> Any:
     if spec == "T":
         return next(leaves)
     kind, keys, children = spec
@@ -121,18 +141,20 @@ def _unflatten(spec: Spec, leaves: Iterator[torch.Tensor]) -> Any:
 
 
 def _follow(obj: Any, spec: Spec, leaves: list[torch.Tensor]) -> bool:
-    """Collect the leaves of ``obj`` if it has the structure ``spec`` (False otherwise)."""
-    if spec == "T":
-        leaves.append(obj)
-        return isinstance(obj, torch.Tensor)
+    """Collect the leaves of ``obj`` if it has the (container) structure ``spec``."""
     kind, keys, children = spec
     if kind == "dict":
         if not isinstance(obj, dict) or tuple(obj) != keys:
             return False
-        return all(_follow(obj[k], c, leaves) for k, c in zip(keys, children, strict=True))
-    if not isinstance(obj, list if kind == "list" else tuple) or len(obj) != keys:
+        obj = obj.values()
+    elif not isinstance(obj, list if kind == "list" else tuple) or len(obj) != keys:
         return False
-    return all(_follow(v, c, leaves) for v, c in zip(obj, children, strict=True))
+    for value, child in zip(obj, children, strict=True):
+        if child == "T" and isinstance(value, torch.Tensor):  # most leaves: no call
+            leaves.append(value)
+        elif child == "T" or not _follow(value, child, leaves):
+            return False
+    return True
 
 
 def _leaf_problem(t: torch.Tensor, device: torch.device) -> str | None:
@@ -158,8 +180,8 @@ def _leaf_problem(t: torch.Tensor, device: torch.device) -> str | None:
     return None
 
 
-def _local(batches: Any, device: torch.device) -> tuple[Spec, list[str], list[list[torch.Tensor]]]:
-    """This rank's batches, leaf by leaf (columns); raises ValueError/TypeError on bad input."""
+def _local(batches: Any, device: torch.device) -> _Local:
+    """This rank's batches, checked; raises ValueError/TypeError on bad input."""
     if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
         got = "None" if batches is None else f"a {type(batches).__name__}"
         msg = (
@@ -168,177 +190,141 @@ def _local(batches: Any, device: torch.device) -> tuple[Spec, list[str], list[li
         )
         raise TypeError(msg)
     if not batches:
-        return None, [], []
+        return _NO_BATCHES
     named: list[tuple[str, torch.Tensor]] = []
     spec = _flatten(batches[0], "", named)
-    names = [name for name, _ in named]
-    firsts = [t for _, t in named]
-    columns: list[list[torch.Tensor]] = [[] for _ in firsts]
-    for i, batch in enumerate(batches):
+    root = ("tuple", 1, (spec,))  # _follow walks containers: each batch goes in a 1-tuple
+    names, firsts = [name for name, _ in named], [t for _, t in named]
+    _check_batch(0, names, firsts, firsts, device)
+    like = [(type(t), t.dtype, t.layout, t.is_cpu, t.device, t.shape) for t in firsts]
+    columns = [[t] for t in firsts]
+    for i in range(1, len(batches)):
         leaves: list[torch.Tensor] = []
-        if i == 0:
-            leaves = firsts
-        elif not _follow(batch, spec, leaves):
+        if not _follow((batches[i],), root, leaves):
             msg = f"batch {i} has another structure than batch 0"
             raise ValueError(msg)
-        if any(t.dim() == 0 for t in leaves):
-            msg = f"batch {i} has a 0-d tensor; the sample dimension comes first"
+        if not _alike(leaves, like):
+            _check_batch(i, names, leaves, firsts, device)
+        for t, column in zip(leaves, columns, strict=True):
+            column.append(t)
+    metadata = [_Leaf(t.dtype, tuple(t.shape[1:]), t.device.type) for t in firsts]
+    count = sum(t.shape[0] for t in columns[0]) if columns else 0
+    return _Local(spec, columns, metadata, count)
+
+
+def _alike(leaves: list[torch.Tensor], like: list[tuple[Any, ...]]) -> bool:
+    """Whether a batch's leaves are plainly like batch 0's (``like``: see :func:`_local`).
+
+    A few cheap checks per leaf, since evaluation loops pass hundreds of them;
+    what these cannot tell, :func:`_check_batch` looks at closely.
+    """
+    count = -1
+    for t, (kind, dtype, layout, cpu, device, shape) in zip(leaves, like, strict=True):
+        if (
+            type(t) is not kind
+            or t.dtype is not dtype
+            or t.layout is not layout
+            or t.is_nested
+            or not (t.is_cpu if cpu else t.device == device)
+            or not t.shape
+            or (t.shape != shape and t.shape[1:] != shape[1:])
+            or count not in (-1, t.shape[0])
+        ):
+            return False
+        count = t.shape[0]
+    return True
+
+
+def _check_batch(
+    i: int,
+    names: list[str],
+    leaves: list[torch.Tensor],
+    firsts: list[torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Check batch ``i``'s leaves, each against batch 0's; the sample dimension comes first."""
+    if any(t.dim() == 0 for t in leaves):
+        msg = f"batch {i} has a 0-d tensor; the sample dimension comes first"
+        raise ValueError(msg)
+    sizes = {t.shape[0] for t in leaves}
+    if len(sizes) > 1:
+        msg = f"the leaves of batch {i} hold different sample counts {sorted(sizes)}"
+        raise ValueError(msg)
+    for name, first, t in zip(names, firsts, leaves, strict=True):
+        problem = _leaf_problem(t, device)
+        if problem is not None:
+            msg = f"leaf {name} of batch {i} is {problem}"
             raise ValueError(msg)
-        sizes = {t.shape[0] for t in leaves}
-        if len(sizes) > 1:
-            msg = f"the leaves of batch {i} hold different sample counts {sorted(sizes)}"
+        if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+            msg = (
+                f"leaf {name} is {t.dtype} {tuple(t.shape[1:])} in batch {i} "
+                f"but {first.dtype} {tuple(first.shape[1:])} in batch 0"
+            )
             raise ValueError(msg)
-        for name, first, t, column in zip(names, firsts, leaves, columns, strict=True):
-            problem = _leaf_problem(t, device)
-            if problem is not None:
-                msg = f"leaf {name} of batch {i} is {problem}"
-                raise ValueError(msg)
-            if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
-                msg = (
-                    f"leaf {name} is {t.dtype} {tuple(t.shape[1:])} in batch {i} "
-                    f"but {first.dtype} {tuple(first.shape[1:])} in batch 0"
-                )
-                raise ValueError(msg)
-            if t.device != first.device:
-                msg = (
-                    f"leaf {name} is on {t.device} in batch {i} but on "
-                    f"{first.device} in batch 0; keep each leaf on one device"
-                )
-                raise ValueError(msg)
-            column.append(t.detach() if t.requires_grad else t)
-    return spec, names, columns
+        if t.device != first.device:
+            msg = (
+                f"leaf {name} is on {t.device} in batch {i} but on "
+                f"{first.device} in batch 0; keep each leaf on one device"
+            )
+            raise ValueError(msg)
 
 
-# --------------------------------------------------------------------------- metadata records
+# --------------------------------------------------------------------------- agreement
 
-
-class _Leaf(NamedTuple):
-    """What every rank agreed on about one leaf: its dtype, trailing shape and device type."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    device_type: str
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes per sample."""
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def _record(spec: Spec, names: list[str], local: list[list[torch.Tensor]]) -> dict[str, Any]:
-    """This rank's metadata: plain data (the exchange carries JSON; tuples arrive as lists)."""
-    return {
-        "spec": spec,
-        "names": names,
-        "leaves": [[dtype_name(c[0].dtype), list(c[0].shape[1:]), c[0].device.type] for c in local],
-        "count": sum(t.shape[0] for t in local[0]) if local else 0,
-    }
+_COUNT = struct.Struct("<q")  # a message: this rank's sample count, then its record
+_NONE = b"null"  # the record of a rank without batches
+_FIELDS = ("dtype", "trailing shape", "device type")
 
 
 def _tuples(value: Any) -> Any:
-    """A record as it left its rank: the exchange's JSON carries tuples as lists."""
-    if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
-    return value
+    """A record as it left its rank: JSON carries tuples as lists."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _leaf_count(spec: Spec) -> int:
-    """The number of leaves of a received ``spec``; ValueError when it is not one."""
-    if spec == "T":
-        return 1
-    if not isinstance(spec, tuple) or len(spec) != 3 or not isinstance(spec[2], tuple):
-        raise ValueError(spec)
-    kind, keys, children = spec
-    if kind == "dict":
-        if not isinstance(keys, tuple) or len(keys) != len(children):
-            raise ValueError(spec)
-    elif kind not in ("list", "tuple") or keys != len(children) or isinstance(keys, bool):
-        raise ValueError(spec)
-    return sum(_leaf_count(c) for c in children)
-
-
-_Present = tuple[Spec, tuple[str, ...], tuple[tuple[str, tuple[int, ...], str], ...]]
-
-
-def _parse(g: Group, records: list[Any]) -> tuple[list[int], dict[int, _Present]]:
-    """Sample counts per rank, and the structure of every rank that has batches.
+def _parse(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], Any]:
+    """The structure, the leaf names and the leaves' metadata in ``rank``'s ``record``.
 
     Raises:
-        PdistError: A record is not what pdist sends (the same on every rank).
+        PdistError: The record is not one that pdist sends.
     """
-    counts: list[int] = []
-    present: dict[int, _Present] = {}
-    for rank, record in zip(g.ranks, records, strict=True):
-        try:
-            count = record["count"]
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ValueError(count)
-            counts.append(count)
-            if record["spec"] is None:
-                continue
-            spec = _tuples(record["spec"])
-            n = _leaf_count(spec)
-            names = tuple(record["names"])
-            leaves = tuple(
-                (dtype, tuple(shape), device) for dtype, shape, device in record["leaves"]
-            )
-            if len(names) != n or len(leaves) != n or not all(isinstance(s, str) for s in names):
-                raise ValueError(names)
-            for dtype, shape, device in leaves:
-                if not isinstance(dtype, str) or not isinstance(device, str):
-                    raise ValueError(dtype)
-                if not all(
-                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-                ):
-                    raise ValueError(shape)
-            present[rank] = (spec, names, leaves)
-        except (KeyError, TypeError, ValueError, RecursionError):
-            msg = (
-                f"collate_batches on group {g.name!r}: rank {rank} sent a malformed metadata "
-                "record; do all ranks run the same pdist version?"
-            )
-            raise PdistError(msg) from None
-    return counts, present
+    try:
+        spec, leaves = _tuples(json.loads(record))
+        named: list[tuple[str, torch.Tensor]] = []
+        # Rebuilding the structure checks it, and names the leaves as their rank did.
+        if _flatten(_unflatten(spec, itertools.repeat(torch.empty(0))), "", named) != spec:
+            raise ValueError(spec)
+        if len(leaves) != len(named) or any(len(leaf) != len(_FIELDS) for leaf in leaves):
+            raise ValueError(leaves)
+    except (TypeError, ValueError, RecursionError):
+        msg = (
+            f"collate_batches on group {g.name!r}: rank {rank} sent a malformed metadata "
+            "record; do all ranks run the same pdist version?"
+        )
+        raise PdistError(msg) from None
+    return spec, tuple(name for name, _ in named), leaves
 
 
-def _describe(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]}"
+def _differences(g: Group, records: dict[int, bytes]) -> RankMismatchError:
+    """What differs between the ranks' ``records`` (which are not all equal)."""
+    parsed = {rank: _parse(g, rank, record) for rank, record in records.items()}
+    what = "the metadata record"
+    values: dict[int, Any] = {rank: rank for rank in parsed}
+    if len({repr(spec) for spec, _, _ in parsed.values()}) > 1:
+        what, values = "the structure (leaves)", {r: names for r, (_, names, _) in parsed.items()}
+    else:
+        names = next(iter(parsed.values()))[1]
+        for i, (field, label) in itertools.product(range(len(names)), enumerate(_FIELDS)):
+            by_rank = {rank: leaves[i][field] for rank, (_, _, leaves) in parsed.items()}
+            if len(set(by_rank.values())) > 1:
+                what, values = f"the {label} of leaf {names[i]}", by_rank
+                break
+    parts = _agree.ranks_by_value(values, value_first=True)
+    return RankMismatchError(f"collate_batches: {what} differs across ranks: {parts}")
 
 
-def _disagreement(what: str, values: dict[int, Any]) -> str:
-    by_value: dict[Any, list[int]] = collections.defaultdict(list)
-    for rank, value in values.items():
-        by_value[value].append(rank)
-    parts = [f"{value} on {_describe(ranks)}" for value, ranks in by_value.items()]
-    return f"collate_batches: {what} differs across ranks: " + "; ".join(parts)
-
-
-def _validate(
-    g: Group, counts: list[int], present: dict[int, _Present]
-) -> tuple[Spec, list[_Leaf]]:
-    """Check the ranks' records agree; the same verdict on every rank."""
-    if not present:
-        return None, []
-    if len({repr(spec) for spec, _, _ in present.values()}) > 1:
-        by_rank = {r: names for r, (_, names, _) in present.items()}
-        raise RankMismatchError(_disagreement("the structure (leaves)", by_rank))
-    spec, names, first_leaves = next(iter(present.values()))
-    leaves: list[_Leaf] = []
-    for i, name in enumerate(names):
-        for field, label in ((0, "dtype"), (1, "trailing shape"), (2, "device type")):
-            values = {r: rec[2][i][field] for r, rec in present.items()}
-            if len(set(values.values())) > 1:
-                raise RankMismatchError(_disagreement(f"the {label} of leaf {name}", values))
-        sent_dtype, shape, device_type = first_leaves[i]
-        try:
-            dtype = dtype_of(sent_dtype)
-        except PdistError:
-            msg = (
-                f"collate_batches on group {g.name!r}: leaf {name} has dtype {sent_dtype!r}, "
-                "which this rank's torch does not know; run one torch version on every rank"
-            )
-            raise PdistError(msg) from None
-        leaves.append(_Leaf(dtype, shape, device_type))
+def _counts(g: Group, messages: list[bytes]) -> list[int]:
+    """Every rank's sample count; RankMismatchError if EvalSampler cannot produce them."""
+    counts = [_COUNT.unpack_from(m)[0] if len(m) >= _COUNT.size else -1 for m in messages]
     total, world = sum(counts), g.world_size
     expected = [len(range(r, total, world)) for r in range(world)]
     if counts != expected:
@@ -347,7 +333,7 @@ def _validate(
             f"{total} samples over {world} ranks ({expected}); shard the dataset with EvalSampler"
         )
         raise RankMismatchError(msg)
-    return spec, leaves
+    return counts
 
 
 def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
@@ -382,35 +368,95 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     """
     g = as_group(group)
     try:
-        spec, names, local = _local(batches, g.device)
-        error: BaseException | None = None
+        local, error = _local(batches, g.device), None
     except Exception as exc:
-        spec, names, local, error = None, [], [], exc
+        local, error = _NO_BATCHES, exc
     if g.world_size == 1:
         if error is not None:
             raise error
-        if spec is None:
+        if local.spec is None:
             return None
-        return _unflatten(spec, iter(torch.cat(c) if len(c) > 1 else c[0] for c in local))
-    records = _wire.exchange(g, _record(spec, names, local), error=error, what=_WHAT)
-    counts, present = _parse(g, records)
-    spec, leaves = _validate(g, counts, present)
-    if spec is None:
+        with torch.no_grad():
+            leaves = (c[0].detach() if len(c) == 1 else torch.cat(c) for c in local.columns)
+            return _unflatten(local.spec, leaves)
+    agreed = _agreed(g, local, error)
+    if agreed is None:
         return None
-    return _unflatten(spec, iter(_gather_leaves(g, local, leaves, counts)))
+    local, memory, counts = agreed
+    rank, world = g.rank_in_group, g.world_size
+    call = _Call(local.columns, local.leaves, rank, world, max(counts), counts[rank], sum(counts))
+    return _unflatten(local.spec, iter(_gather_leaves(g, call, memory)))
+
+
+def _agreed(
+    g: Group, local: _Local, error: BaseException | None
+) -> tuple[_Local, _Memory, list[int]] | None:
+    """The leaves every rank agreed on, this rank's memory for them, and the counts.
+
+    A rank without batches gets the common record's leaves. None when no rank
+    has batches.
+
+    .. note:: All ranks of the group must call it, with this rank's failure as ``error``.
+    """
+    memory: _Memory = {}
+    if error is None and local.spec is not None:
+        try:
+            memory = _reserve(g, local.leaves, local.samples + 1)
+        except PdistError as exc:
+            error = exc
+    leaves = [[dtype_name(x.dtype), x.shape, x.device_type] for x in local.leaves]
+    record = _NONE if local.spec is None else json.dumps([local.spec, leaves]).encode()
+    message = _COUNT.pack(local.samples) + record
+    messages = _wire.all_gather_bytes(g, message, error=error, what=_WHAT)
+    records = {r: m[_COUNT.size :] for r, m in zip(g.ranks, messages, strict=True)}
+    present = {r: record for r, record in records.items() if record != _NONE}
+    if not present:
+        return None
+    if len(set(present.values())) > 1:
+        raise _differences(g, present)
+    counts = _counts(g, messages)
+    if len(present) < g.world_size:  # a rank without batches takes the common record
+        try:
+            if local.spec is None:
+                spec, _, sent = _parse(g, *next(iter(present.items())))
+                received = [_Leaf(dtype_of(d), shape, device) for d, shape, device in sent]
+                local = _Local(spec, [], received, 0)
+                memory = _reserve(g, received, max(counts))
+        except Exception as exc:
+            error = exc
+        _agree.status(g, error, what=_WHAT)
+    return local, memory, counts
 
 
 # --------------------------------------------------------------------------- gathers
 
 
-def _device(g: Group, spec: _Leaf) -> torch.device:
-    """Where a gathered leaf lives: on the CPU if it came from the CPU, else the group's device."""
-    return torch.device("cpu") if spec.device_type == "cpu" else g.device
-
-
+_Memory = dict[str, torch.Tensor]  # per transport: where its gathers land
 _OWN_GATHER_MIN_BYTES = 256 << 10
 _PIPELINE_MIN_BYTES = 1 << 20
-_MAX_OWN_GATHERS = 2
+_MAX_GATHERS = 3  # per transport: two of their own (_plan), one shared
+_COLUMN = 16  # leaves sharing a row start at multiples of this: every dtype can view them
+
+
+def _transport(leaf: _Leaf) -> str:
+    return "cpu" if leaf.device_type == "cpu" else "device"
+
+
+def _reserve(g: Group, leaves: list[_Leaf], rows: int) -> _Memory:
+    """Memory per transport for any plan of ``leaves``, up to ``rows`` rows per rank.
+
+    Reserved before anything moves, so that a rank out of memory says so to
+    the others instead of leaving them in a gather.
+    """
+    per_row: dict[str, int] = collections.Counter()
+    for leaf in leaves:  # with room for each leaf's and each gather's alignment gap
+        per_row[_transport(leaf)] += leaf.nbytes + _COLUMN
+    memory: _Memory = {}
+    for kind, row in per_row.items():
+        device = torch.device("cpu") if kind == "cpu" else g.device
+        per_rank = rows * (row + _MAX_GATHERS * _COLUMN) + _MAX_GATHERS * ALIGN
+        memory[kind] = allocate(g.world_size * per_rank, device, what=_WHAT)
+    return memory
 
 
 class _Call(NamedTuple):
@@ -418,29 +464,23 @@ class _Call(NamedTuple):
 
     local: list[list[torch.Tensor]]  # this rank's batches, leaf by leaf
     specs: list[_Leaf]
+    rank: int  # in the group
     world: int
     rows: int  # samples per rank and leaf on the wire: the largest count (the rest is padding)
     samples: int  # this rank's samples
     total: int
 
 
-Finish = Callable[[], list[tuple[int, torch.Tensor]]]
-"""Waits for one gather; returns ``(leaf index, gathered leaf)`` pairs."""
-
-Start = Callable[[], Finish]
-"""Packs this rank's part of one gather into its (allocated) buffer and starts the gather."""
+Finish = Callable[[], list[tuple[int, torch.Tensor]]]  # waits; (leaf index, leaf) pairs
 
 
 def _plan(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[list[int]]:
     """Split one transport's leaves into runs of one gather each (at most three).
 
-    Leaves with equal row bytes can be gathered with the interleave fused into
-    the gather (:func:`_gather_rows`). The largest such groups (at most
-    ``_MAX_OWN_GATHERS``, each at least ``_OWN_GATHER_MIN_BYTES`` gathered) get a
-    gather of their own; the other leaves share one packed gather, so the
-    number of collectives stays bounded whatever the number of leaves. A lone
-    large group is split in two, so that packing the second half overlaps the
-    first half's transfer.
+    The (at most two) largest groups of leaves of equal row bytes, from
+    ``_OWN_GATHER_MIN_BYTES`` gathered, get a gather of their own; the other
+    leaves share one, so the number of collectives stays bounded. A lone large
+    group is split in two: packing the second half overlaps the first's transfer.
     """
 
     def nbytes(run: list[int]) -> int:
@@ -450,138 +490,106 @@ def _plan(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[lis
     for i in leaves:
         by_row[specs[i].nbytes].append(i)
     ranked = sorted(by_row.values(), key=nbytes, reverse=True)
-    own = [run for run in ranked[:_MAX_OWN_GATHERS] if nbytes(run) >= _OWN_GATHER_MIN_BYTES]
+    own = [run for run in ranked[: _MAX_GATHERS - 1] if nbytes(run) >= _OWN_GATHER_MIN_BYTES]
     rest = sorted(i for run in ranked if run not in own for i in run)
     if len(own) == 1 and len(own[0]) > 1 and nbytes(own[0]) >= _PIPELINE_MIN_BYTES:
-        half = len(own[0]) // 2
-        own = [own[0][:half], own[0][half:]]
+        own = [own[0][: len(own[0]) // 2], own[0][len(own[0]) // 2 :]]
     return own + ([rest] if rest else [])
 
 
-def _pack(call: _Call, run: list[int], mine: torch.Tensor, offsets: list[int]) -> None:
-    """This rank's batches of each leaf of ``run``, concatenated at its byte offset in ``mine``.
+def _layout(specs: list[_Leaf], run: list[int]) -> tuple[int, int, list[tuple[int, int]]]:
+    """How ``run`` travels: ``blocks`` of ``[rows, width]`` bytes, and each leaf's place.
 
-    The bytes no leaf fills (padding rows, alignment gaps) are zeroed: what
-    goes on the wire never carries leftover process memory to the peers.
+    A place is a block and a byte offset in its rows. Leaves of equal row
+    bytes take a block each, and come back as contiguous slices; others share
+    one block, side by side in each row.
     """
-    ends = [*offsets[1:], mine.numel()]
-    for i, offset, end in zip(run, offsets, ends, strict=True):
-        spec = call.specs[i]
-        filled = offset + call.samples * spec.nbytes
-        if call.samples:
-            start = mine[offset:filled].view(spec.dtype)
-            torch.cat(call.local[i], out=start.view(call.samples, *spec.shape))  # one copy
-        mine[filled:end].zero_()
+    widths = [specs[i].nbytes for i in run]
+    if len(set(widths)) == 1:
+        return len(run), widths[0], [(k, 0) for k in range(len(run))]
+    places, width = [], 0
+    for w in widths:
+        places.append((0, width))
+        width = -(-(width + w) // _COLUMN) * _COLUMN
+    return 1, width, places
 
 
-def _gather_rows(call: _Call, pg: dist.ProcessGroup, run: list[int]) -> Start:
-    """Gather leaves of equal row bytes, rows landing straight in dataset order.
+def _pack(call: _Call, run: list[int], mine: torch.Tensor) -> None:
+    """This rank's batches of each leaf of ``run``, placed in ``mine`` as :func:`_layout` says.
 
-    Every rank sends its leaves as ``[leaves, rows, row bytes]``. Rank ``j``'s
-    row ``r`` is dataset index ``r * W + j``, so rank ``j``'s output is the
-    strided view ``[:, :, j]`` of a ``[leaves, rows, W, row bytes]`` buffer:
-    gloo's copy out of its staging buffer interleaves the rows, and each leaf
-    is a contiguous slice of the result. Padding rows land past ``total``.
-    Allocates now; packs and gathers when started.
+    The bytes no sample fills (padding rows, gaps between leaves) are zeroed:
+    what goes on the wire never carries leftover process memory to the peers.
     """
-    world, rows, row = call.world, call.rows, call.specs[run[0]].nbytes
-    cpu = torch.device("cpu")
-    mine = allocate(len(run) * rows * row, cpu, what=_WHAT)
-    gathered = allocate(len(run) * rows * world * row, cpu, what=_WHAT)
-
-    def start() -> Finish:
-        _pack(call, run, mine, [k * rows * row for k in range(len(run))])
-        grid = gathered.view(len(run), rows, world, row)
-        outs = [grid[:, :, j] for j in range(world)]
-        work = dist.all_gather(outs, mine.view(len(run), rows, row), group=pg, async_op=True)
-
-        def finish() -> list[tuple[int, torch.Tensor]]:
-            work.wait()
-            per_leaf = gathered.view(len(run), rows * world * row)
-            result = []
-            for k, i in enumerate(run):
-                spec = call.specs[i]
-                data = per_leaf[k, : call.total * row].view(spec.dtype)
-                result.append((i, data.view(call.total, *spec.shape)))
-            return result
-
-        return finish
-
-    return start
+    blocks, width, places = _layout(call.specs, run)
+    grid = mine.view(blocks, call.rows, width)
+    (grid if blocks < len(run) else grid[:, call.samples :]).zero_()
+    with torch.no_grad():  # cat(out=) refuses inputs that require grad
+        for i, (block, offset) in zip(run, places, strict=True):
+            spec, samples = call.specs[i], call.samples
+            if samples:
+                out = grid[block, :samples, offset : offset + spec.nbytes].view(spec.dtype)
+                torch.cat(call.local[i], out=out.view(samples, *spec.shape))  # one copy
 
 
-def _gather_packed(
-    call: _Call, pg: dist.ProcessGroup, device: torch.device, run: list[int]
-) -> Start:
-    """Gather leaves of any row sizes as one rank-major buffer, then interleave (one copy each).
+def _gather(
+    call: _Call, pg: dist.ProcessGroup, cpu: bool, run: list[int], gathered: torch.Tensor
+) -> Finish:
+    """Pack and start the gather of ``run``; its leaves come back in dataset order.
 
-    Allocates now; packs and gathers when started.
+    Every rank sends ``[blocks, rows, width]`` bytes (:func:`_layout`). Rank
+    ``j``'s row ``r`` is dataset index ``r * W + j``, so in a ``[blocks, rows,
+    W, width]`` buffer the rows are in dataset order: on the CPU group rank
+    ``j``'s part lands straight in the strided view ``[:, :, j]`` (gloo copies
+    out of its own staging buffer); a device interleaves with one copy.
     """
     world, rows = call.world, call.rows
-    starts, size = offsets([rows * call.specs[i].nbytes for i in run])
-    # Padding rows and alignment gaps are never read back (_pack zeroes them).
-    mine = allocate(size, device, what=_WHAT)
-    gathered = allocate(world * size, device, what=_WHAT)
-
-    def start() -> Finish:
-        _pack(call, run, mine, starts)
+    blocks, width, places = _layout(call.specs, run)
+    # This rank's part goes out of the gather's own memory: in place on a device, and gloo
+    # reads it into its staging buffer before anything is copied out there.
+    mine = gathered.view(world, -1)[call.rank]
+    _pack(call, run, mine)
+    grid = gathered.view(blocks, rows, world, width)
+    if cpu:
+        outs, source = [grid[:, :, j] for j in range(world)], mine.view(blocks, rows, width)
+        work = dist.all_gather(outs, source, group=pg, async_op=True)
+    else:
         work = all_gather_into(gathered, mine, pg, async_op=True)
 
-        def finish() -> list[tuple[int, torch.Tensor]]:
-            work.wait()
-            per_rank = gathered.view(world, size)
-            result = []
-            for i, offset in zip(run, starts, strict=True):
-                spec = call.specs[i]
-                block = per_rank[:, offset : offset + rows * spec.nbytes].view(spec.dtype)
-                typed = block.view(world, rows, *spec.shape)  # [W, rows, *trailing]
-                # Sample j of rank r is dataset index r + j * W: interleave, then drop the
-                # padding rows, which all sit at the end.
-                result.append(
-                    (i, typed.transpose(0, 1).reshape(rows * world, *spec.shape)[: call.total])
-                )
-            return result
+    def finish() -> list[tuple[int, torch.Tensor]]:
+        work.wait()
+        table = grid
+        if not cpu:  # the gather was rank-major: interleave (a copy)
+            table = gathered.view(world, blocks, rows, width).permute(1, 2, 0, 3)
+        table = table.reshape(blocks, rows * world, width)[:, : call.total]
+        result = []
+        for i, (block, offset) in zip(run, places, strict=True):
+            spec = call.specs[i]
+            leaf = table[block, :, offset : offset + spec.nbytes].view(spec.dtype)
+            result.append((i, leaf.view(call.total, *spec.shape).contiguous()))  # copies a column
+        return result
 
-        return finish
-
-    return start
+    return finish
 
 
-def _gather_leaves(
-    g: Group, local: list[list[torch.Tensor]], specs: list[_Leaf], counts: list[int]
-) -> list[torch.Tensor]:
-    call = _Call(local, specs, g.world_size, max(counts), counts[g.rank_in_group], sum(counts))
+def _gather_leaves(g: Group, call: _Call, memory: _Memory) -> list[torch.Tensor]:
+    """Every leaf gathered in dataset order, in ``memory`` reserved by :func:`_reserve`."""
     gathered: dict[int, torch.Tensor] = {}
     by_transport: dict[str, list[int]] = collections.defaultdict(list)
-    for i, spec in enumerate(specs):
+    for i, spec in enumerate(call.specs):
         if call.total == 0 or spec.nbytes == 0:  # nothing to move, e.g. a [N, 0] leaf
-            shape = (call.total, *spec.shape)
-            gathered[i] = torch.empty(shape, dtype=spec.dtype, device=_device(g, spec))
+            device = torch.device("cpu") if _transport(spec) == "cpu" else g.device
+            gathered[i] = torch.empty((call.total, *spec.shape), dtype=spec.dtype, device=device)
         else:
-            by_transport["cpu" if _device(g, spec).type == "cpu" else "device"].append(i)
-    if not by_transport:
-        return [gathered[i] for i in range(len(specs))]
-    # Every buffer is allocated before the first gather starts: a rank that cannot
-    # (out of memory) says so through one small all-reduce, instead of leaving the
-    # others waiting in a gather. Packing validated leaves into them cannot fail.
-    starts: list[Start] = []
-    try:
-        for kind, leaves in by_transport.items():
-            pg = g.transport(kind)
-            for run in _plan(specs, leaves, call.rows * call.world):
-                # Strided outputs rely on gloo copying out of its own staging buffer; a device
-                # transport takes the packed gather and interleaves with one device copy.
-                if kind == "cpu" and len({specs[i].nbytes for i in run}) == 1:
-                    starts.append(_gather_rows(call, pg, run))
-                else:
-                    device = torch.device("cpu") if kind == "cpu" else g.device
-                    starts.append(_gather_packed(call, pg, device, run))
-        error = None
-    except Exception as exc:
-        starts, error = [], exc
-    _agree.status(g, error, what=_WHAT)
-    # Packing gather k+1 overlaps gather k's transfer.
-    finishes = [start() for start in starts]
+            by_transport[_transport(spec)].append(i)
+    finishes = []
+    for kind, leaves in by_transport.items():
+        used = 0
+        for run in _plan(call.specs, leaves, call.rows * call.world):
+            blocks, width, _ = _layout(call.specs, run)
+            start, used = used, aligned(used + blocks * call.rows * call.world * width)
+            # Each gather starts once packed, so that packing the next overlaps its transfer.
+            region = memory[kind][start : start + blocks * call.rows * call.world * width]
+            finishes.append(_gather(call, g.transport(kind), kind == "cpu", run, region))
     for finish in finishes:
         gathered.update(finish())
-    return [gathered[i] for i in range(len(specs))]
+    return [gathered[i] for i in range(len(call.specs))]
