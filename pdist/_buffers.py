@@ -98,7 +98,9 @@ def filled(
     """
     n = len(data)
     total = max(n, size)
-    out = torch.empty(total, dtype=torch.uint8) if what is None else allocate(total, what=what)
+    if what is None:  # one copy into fresh zeros: the padding is zeros (see below)
+        return torch.frombuffer(bytearray(bytes(data).ljust(total, b"\0")), dtype=torch.uint8)
+    out = allocate(total, what=what)
     if n:
         ctypes.memmove(out.data_ptr(), bytes(data), n)
     out[n:].zero_()  # the padding goes on the wire: never this process's stale memory

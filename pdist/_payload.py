@@ -58,6 +58,7 @@ _PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
 _MAGIC = b"pdP1"
 _FIELDS = {"s", "d", "b", "t", "z", "k"}
 _MAX_DIMS = 64
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps builds one per call
 _INT64 = 1 << 63  # sizes, shapes and offsets torch can hold are below it
 
 
@@ -274,7 +275,7 @@ def encode(
     late = any(not f.lone(b.nbytes) for f, b in zip(fills[1:], buckets[1:], strict=True))
     header = {"s": len(skeleton), "d": list(dtypes), "b": [list(b) for b in buckets]}
     header.update({"t": records, "z": int(late), "k": split})
-    data = json.dumps(header, separators=(",", ":")).encode()
+    data = _JSON.encode(header).encode()
     body = b"".join([_PREFIX.pack(_MAGIC, len(data), len(buckets)), data, skeleton, *inline])
     return Encoded(body, buckets, fills, late_status=late)
 
@@ -322,12 +323,15 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
     if start > len(body):
         raise _corrupt(source, f"a header of {header_len} bytes in a body of {len(body)}")
     try:
-        header = _plain.loads(body[_PREFIX.size : start], max_depth=4)
-    except _plain.TooDeepError:
+        header = json.loads(body[_PREFIX.size : start])
+    except RecursionError:
         raise _corrupt(source, "the header nests too deeply") from None
     except (UnicodeDecodeError, ValueError):
         raise _corrupt(source, "the header is not JSON") from None
     if not isinstance(header, dict) or set(header) != _FIELDS:
+        # Checked here, not on every header: the fields' own checks refuse deeper nesting.
+        if _plain.deeper_than(header, 4):
+            raise _corrupt(source, "the header nests too deeply")
         raise _corrupt(source, "the header does not have the fields s, d, b, t, z, k")
     if not _is_int(header["k"], 1):
         raise _corrupt(source, f"split {header['k']!r:.40}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "TooDeepError", "loads"]
+__all__ = ["MAX_DEPTH", "TooDeepError", "deeper_than", "loads"]
 
 MAX_DEPTH = 64
 """How deeply a peer's JSON may nest (pdist's own records nest a few levels)."""
@@ -20,14 +20,16 @@ class TooDeepError(ValueError):
     """A peer's JSON nests deeper than allowed."""
 
 
-def _depth(value: Any) -> int:
-    deepest, stack = 0, [(value, 1)]
+def deeper_than(value: Any, depth: int) -> bool:
+    """Whether parsed JSON ``value`` nests lists and dicts more than ``depth`` levels."""
+    stack = [(value, 1)]
     while stack:
-        item, depth = stack.pop()
+        item, level = stack.pop()
         if isinstance(item, (list, dict)):
-            deepest = max(deepest, depth)
-            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
-    return deepest
+            if level > depth:
+                return True
+            stack += [(v, level + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return False
 
 
 def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
@@ -40,7 +42,7 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
         value = json.loads(data)
     except RecursionError:
         raise TooDeepError("JSON nested past the interpreter's recursion limit") from None
-    if _depth(value) > max_depth:
+    if deeper_than(value, max_depth):
         msg = f"JSON nested deeper than {max_depth} levels"
         raise TooDeepError(msg)
     return value

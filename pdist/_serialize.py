@@ -13,12 +13,13 @@ storage) and ``("storage", "s", i, dtype)`` (a typed one); pickles use protocol
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pickle
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -232,6 +233,13 @@ def _persistent_loader(
 _SPARSE_LOCK = threading.RLock()
 
 
+@contextlib.contextmanager
+def _quiet_storages() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        yield
+
+
 def loads(
     data: bytes,
     entries: Sequence[torch.Tensor],
@@ -250,9 +258,10 @@ def loads(
         PdistError: The object is refused or cannot be rebuilt (naming why).
     """
     persistent_load, storages = _persistent_loader(entries, storage)
-    with _SPARSE_LOCK, warnings.catch_warnings():
-        # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly.
-        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+    # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly;
+    # only storages travel with such tensors (and the filter costs as much as a tiny load).
+    quiet = _quiet_storages() if any(storage) else contextlib.nullcontext()
+    with _SPARSE_LOCK, quiet:
         pending = _compat.sparse_tensors_to_validate()
         start = len(pending)
         try:
