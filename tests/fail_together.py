@@ -7,12 +7,17 @@ rank, the error type every rank must raise and a pattern of its message.
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pdist
+
+HEADER = struct.Struct("<Bq")  # a framed message's status and body length
+OK = 1
 
 
 @dataclass(frozen=True)
@@ -103,3 +108,24 @@ def fails(text: str, *, from_index: int = 0) -> Callable[[int], None]:
             raise RuntimeError(text)
 
     return pack
+
+
+def rewriting(field: str, value: object) -> Callable[[bytes], bytes]:
+    """An ``outgoing`` hook: every JSON record this rank sends gets ``field`` set to ``value``.
+
+    A framed message is a header (a status byte, a little-endian int64 body
+    length) and its body; messages that are not JSON records holding
+    ``field`` leave unchanged.
+    """
+
+    def outgoing(message: bytes) -> bytes:
+        try:
+            record = json.loads(message[HEADER.size :])
+        except ValueError:
+            return message
+        if not isinstance(record, dict) or field not in record:
+            return message
+        body = json.dumps({**record, field: value}).encode()
+        return HEADER.pack(OK, len(body)) + body
+
+    return outgoing

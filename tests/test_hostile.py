@@ -25,6 +25,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from fail_together import rewriting
 
 import pdist
 from pdist import _agree, _buffers, _payload, _wire
@@ -482,21 +483,9 @@ def test_malformed_sync_records_raise_pdist_errors(record):
         assert "rank 0 sent a malformed record" in outcome, outcome
 
 
-def _odd_namespace(message: bytes) -> bytes:
-    """Rank 1's set-up record with a pid namespace that is not a string (another version's)."""
-    try:
-        record = json.loads(message[9:])
-    except ValueError:
-        return message
-    if not isinstance(record, dict) or "pid_namespace" not in record:
-        return message
-    body = json.dumps({**record, "pid_namespace": ["a", "list"]}).encode()
-    return struct.pack("<Bq", OK, len(body)) + body
-
-
 def _odd_namespace_queue():
     with pdist.distributed(timeout=30) as ctx:
-        odd = pdist.testing.inject(outgoing=_odd_namespace)
+        odd = pdist.testing.inject(outgoing=rewriting("pid_namespace", ["a", "list"]))
         with (
             odd if ctx.rank == 1 else contextlib.nullcontext(),
             pdist.message_queue(ctx.world) as group,

@@ -7,18 +7,16 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import json
 import logging
 import mmap
 import os
 import re
-import struct
 import threading
 import time
 
 import pytest
 import torch
-from fail_together import outcome_of
+from fail_together import outcome_of, rewriting
 from launcher import raised_after, run_ranks
 
 import pdist
@@ -186,22 +184,6 @@ HOSTILE = {
 }
 
 
-def _naming(segment: str):
-    """An ``outgoing`` hook: the writer's set-up record names ``segment`` as its ring."""
-
-    def rewrite(message: bytes) -> bytes:
-        try:
-            record = json.loads(message[9:])
-        except ValueError:
-            return message
-        if not isinstance(record, dict) or "segment" not in record:
-            return message
-        body = json.dumps({**record, "segment": segment}).encode()
-        return struct.pack("<Bq", 1, len(body)) + body  # status OK, body length
-
-    return rewrite
-
-
 def _mq_one_bad_rank(case: str):
     """Enter message_queue with one rank's part broken as ``case`` says; how each rank ended."""
     with pdist.distributed(timeout=30) as ctx:
@@ -234,7 +216,7 @@ def _mq_one_bad_rank(case: str):
             os.open = refuse
             undo.append(lambda: setattr(os, "open", real_open))
         elif case in HOSTILE and ctx.rank == 0:  # the writer's set-up record names another path
-            hostile = pdist.testing.inject(outgoing=_naming(HOSTILE[case]))
+            hostile = pdist.testing.inject(outgoing=rewriting("segment", HOSTILE[case]))
             hostile.__enter__()
             undo.append(lambda: hostile.__exit__(None, None, None))
 

@@ -52,7 +52,7 @@ def test_a_late_rank_ends_the_others_with_93_naming_it():
         assert r.seconds < 4 + 10 + 15, r.seconds
 
 
-LATE_RANK_RANK0_HOSTS = """
+SRUN = """
     import os, time
     # Launched as srun does: no torchrun agent, so rank 0 hosts the rendezvous store.
     rank = os.environ.pop("RANK")
@@ -60,6 +60,9 @@ LATE_RANK_RANK0_HOSTS = """
     os.environ.update(SLURM_PROCID=rank, SLURM_NTASKS=os.environ.pop("WORLD_SIZE"),
                       SLURM_LOCALID=os.environ.pop("LOCAL_RANK"),
                       MASTER_PORT=os.environ["PDIST_TEST_PORT"])
+"""
+
+LATE_RANK_RANK0_HOSTS = SRUN + """
     if rank == "2":
         time.sleep(40)
     import pdist
@@ -454,14 +457,7 @@ def test_blocks_one_after_another_share_a_store_safely():
         assert spawn(_three_blocks, 2, timeout=90) == [[1.0, 2.0, 2.0, 2.0, 2.0, 2.0]] * 2
 
 
-BLOCKS_IN_A_ROW = """
-    import os
-    # Launched as srun does: no torchrun agent, so rank 0 hosts the rendezvous store.
-    rank = os.environ.pop("RANK")
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
-    os.environ.update(SLURM_PROCID=rank, SLURM_NTASKS=os.environ.pop("WORLD_SIZE"),
-                      SLURM_LOCALID=os.environ.pop("LOCAL_RANK"),
-                      MASTER_PORT=os.environ["PDIST_TEST_PORT"])
+BLOCKS_IN_A_ROW = SRUN + """
     import pdist
     for block in range(20):
         with pdist.distributed(timeout=20) as ctx:
