@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
@@ -13,6 +11,8 @@ import os
 import re
 import threading
 import time
+import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -424,8 +424,8 @@ def test_a_writer_out_of_slots_times_out_then_the_queue_is_poisoned():
 def _out_of_step():
     with pdist.distributed(timeout=30) as ctx, pdist.message_queue(ctx) as group:
         if ctx.rank == 0:
-            ring = group.header_transport._ring
-            ring.atomics.store(ring._address + ring.slot(1), 7)  # message 7 in message 1's slot
+            queue = group.header_transport
+            queue._words.store(queue._slot(1) // 8, 7)  # message 7 in message 1's slot
         pdist.barrier(ctx)
         errors = []
         if ctx.rank == 1:
@@ -480,7 +480,7 @@ def test_an_idle_reader_outlasts_the_group_timeout_and_logs():
 
 
 class _Spy:
-    """Atomics that record every call, around the real ones."""
+    """Words that record every access, around the real ones (a factory, as ``_atomics()`` is)."""
 
     name = "spy"
 
@@ -488,55 +488,82 @@ class _Spy:
         self.inner = inner
         self.calls = []
 
-    def load(self, address):
-        self.calls.append(("load", address))
-        return self.inner.load(address)
+    def __call__(self, buffer):
+        self.words = self.inner(buffer)
+        return self
 
-    def store(self, address, value):
-        self.calls.append(("store", address, value))
-        self.inner.store(address, value)
+    def load(self, index):
+        self.calls.append(("load", index))
+        return self.words.load(index)
+
+    def store(self, index, value):
+        self.calls.append(("store", index, value))
+        self.words.store(index, value)
+
+    def release(self):
+        self.words.release()
+
+
+# Unit tests of the ring's private pieces: no public call can observe the order of its stores.
 
 
 def test_libatomic_release_stores_and_acquire_loads_round_trip():
-    """On this machine the ring's words go through libatomic, and values round-trip."""
-    if ctypes.util.find_library("atomic") is None:
+    """libatomic's words (the path of weakly ordered CPUs) round-trip, one aligned word each."""
+    lib = pdist._mq._open_libatomic()
+    if lib is None:
         pytest.skip("no libatomic here")
-    atomics = pdist._mq._atomics()
-    assert atomics.name == "libatomic"
-    words = (ctypes.c_uint64 * 3)()
-    address = ctypes.addressof(words) + 8
+    buffer = bytearray(24)
+    words = pdist._mq._choose_atomics("aarch64", lambda: lib)(buffer)
+    assert words.name == "libatomic"
     for value in (0, 1, 2**32, 2**63, 2**64 - 1):
-        atomics.store(address, value)
-        assert words[1] == value
-        assert atomics.load(address) == value
-    assert words[0] == words[2] == 0  # exactly one aligned word
+        words.store(1, value)
+        assert int.from_bytes(buffer[8:16], "little") == value
+        assert words.load(1) == value
+    assert buffer[:8] == buffer[16:] == bytes(8)  # exactly one aligned word
+    words.release()
+
+
+def _side(rank: int):
+    """A stand-in for a two-rank group, as one side of a queue sees it."""
+    lifetime = types.SimpleNamespace(closed=False)
+    return types.SimpleNamespace(
+        name="pair", ranks=(0, 1), rank=rank, rank_in_group=rank, world_size=2,
+        is_first_rank=rank == 0, timeout=timedelta(seconds=5), lifetime=lifetime,
+        is_closed=False,
+    )  # fmt: skip
 
 
 def test_the_ring_publishes_after_the_data_and_consumes_through_the_atomics():
-    """The sequence number is the writer's last store; readers load it, then publish progress."""
+    """The sequence number is the writer's last store; a reader loads it, then its progress."""
+    region = mmap.mmap(-1, 64 * 2 + 2 * (64 + 64))
+    region[:32] = struct.pack("<8sQQQ", b"pdistmq1", 1, 64, 2)
     spy = _Spy(pdist._mq._atomics())
-    region = mmap.mmap(-1, pdist._mq._Ring.size(1, 64, 2))
-    writer = pdist._mq._Ring(region, 1, 64, 2, spy)
-    reader = pdist._mq._Ring(region, 1, 64, 2, spy)
-    writer.write(1, pdist._mq._INLINE, b"hello")
-    assert spy.calls == [("store", writer._address + writer.slot(1), 1)]
-    assert reader.published(1) == 1
-    assert reader.read(1) == (pdist._mq._INLINE, 5, b"hello")
-    reader.set_consumed(0, 1)
-    assert writer.consumed(0) == 1
-    assert [c[0] for c in spy.calls] == ["store", "load", "store", "load"]
+    writer = pdist._mq._MessageQueue(_side(0), region, spy, None, None)
+    reader = pdist._mq._MessageQueue(_side(1), region, spy, None, None)
+    slot = writer._slot(1) // 8
+    assert writer.broadcast_bytes(_side(0), b"hello", 0) == b"hello"
+    assert spy.calls == [("load", 8), ("store", slot, 1)]  # reader 0's progress, then publish
+    spy.calls.clear()
+    assert reader.broadcast_bytes(_side(1), None, 0) == b"hello"
+    assert spy.calls == [("load", slot), ("store", 8, 1)]  # then its progress
+    assert writer._words.load(8) == 1
     reader.close()
     writer.close()
 
 
 def test_without_libatomic_only_x86_goes_on():
-    """x86's ordering (TSO) needs no fences; a weakly ordered CPU without libatomic refuses."""
-    plain = pdist._mq._choose_atomics("x86_64", None)
-    words = (ctypes.c_uint64 * 1)()
-    plain.store(ctypes.addressof(words), 2**64 - 1)
-    assert plain.load(ctypes.addressof(words)) == 2**64 - 1
+    """x86's ordering (TSO) needs no fences: plain words; a weakly ordered CPU needs libatomic."""
+    assert pdist._mq._choose_atomics("x86_64", lambda: pytest.fail("opened libatomic")) is (
+        pdist._mq._plain_words
+    )
+    buffer = bytearray(16)
+    plain = pdist._mq._choose_atomics("x86_64", lambda: None)(buffer)
+    plain.store(1, 2**64 - 1)
+    assert plain.load(1) == 2**64 - 1
+    assert buffer == bytes(8) + b"\xff" * 8
+    plain.release()
     with pytest.raises(pdist.PdistError, match=r"libatomic on aarch64 .*apt install libatomic1"):
-        pdist._mq._choose_atomics("aarch64", None)
+        pdist._mq._choose_atomics("aarch64", lambda: None)
 
 
 @world_sizes(3)
