@@ -9,6 +9,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 import threading
 import time
 import types
