@@ -62,13 +62,16 @@ SRUN = """
                       MASTER_PORT=os.environ["PDIST_TEST_PORT"])
 """
 
-LATE_RANK_RANK0_HOSTS = SRUN + """
+LATE_RANK_RANK0_HOSTS = (
+    SRUN
+    + """
     if rank == "2":
         time.sleep(40)
     import pdist
     with pdist.distributed() as ctx:
         print("ENTERED", flush=True)
 """
+)
 
 
 def test_a_late_rank_is_named_when_rank0_hosts_the_store():
@@ -457,13 +460,16 @@ def test_blocks_one_after_another_share_a_store_safely():
         assert spawn(_three_blocks, 2, timeout=90) == [[1.0, 2.0, 2.0, 2.0, 2.0, 2.0]] * 2
 
 
-BLOCKS_IN_A_ROW = SRUN + """
+BLOCKS_IN_A_ROW = (
+    SRUN
+    + """
     import pdist
     for block in range(20):
         with pdist.distributed(timeout=20) as ctx:
             pdist.barrier(ctx.world)
     print("BLOCKS DONE", flush=True)
 """
+)
 
 
 @pytest.mark.parametrize("world", [2, 3])
