@@ -91,6 +91,8 @@ def _broadcast(
             failure = exc
     _agree.settle(group, failure, together=count > 0, what=what)
     assert decoded is not None  # set whenever no failure was raised
+    if not decoded.buckets and not decoded.specs:  # a skeleton alone (most small objects)
+        return loads(decoded.skeleton, [], [], safe=safe)  # type: ignore[arg-type]
     works = _broadcasts(group, src, decoded.buckets, buffers)
     # The views are made while the buckets fill; unpickling waits for the data, since a
     # leaf's __setstate__ may read its tensors. A late status says whether every bucket packed.

@@ -12,6 +12,8 @@ Body: ``[prefix][header][skeleton][inline blob]``. The prefix is a struct
 length, "d": [dtype names], "b": [[kind, nbytes], ...], "t": [[dtype index,
 flags, bucket or -1 for inline, byte offset, [shape]], ...], "z": 1 when a
 status follows the buckets, "k": in how many parts each bucket travels}``.
+An object without tensors or storages travels as ``[lean magic][skeleton]``:
+no header to write or parse, which is most of a small broadcast's cost.
 Nothing before the skeleton is pickle, and every field a peer sends is
 checked before use (a malformed one raises :class:`~pdist.PdistError`). This
 module moves nothing and knows no process group.
@@ -56,6 +58,7 @@ KINDS = ("cpu", "device")
 GRAD, PARAM, DEVICE, STORAGE = 1, 2, 4, 8  # header flags
 _PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
 _MAGIC = b"pdP1"
+_LEAN = b"pdP0"  # a body of only a skeleton (no tensors): the magic, then the pickle
 _FIELDS = {"s", "d", "b", "t", "z", "k"}
 _MAX_DIMS = 64
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps builds one per call
@@ -252,6 +255,8 @@ def encode(
     a multiple of ``pad_to`` and travel in ``split`` parts.
     """
     skeleton, entries = dumps(obj)
+    if not entries:
+        return Encoded(_LEAN + skeleton, [], [])
     dtypes: dict[str, int] = {}
     records: list[list[Any]] = []
     inline: list[bytes] = []
@@ -291,6 +296,8 @@ def bucket_count(body: bytes, *, source: str = "a peer") -> int:
     Raises:
         PdistError: The body is not a pdist payload.
     """
+    if body[:4] == _LEAN:
+        return 0
     if len(body) < _PREFIX.size:
         raise _corrupt(source, f"{len(body)} bytes, shorter than the payload prefix")
     magic, _, count = _PREFIX.unpack_from(body)
@@ -394,6 +401,8 @@ def _record(
 
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
     """Parse a message body, checking every field (a bad one raises :class:`~pdist.PdistError`)."""
+    if body[:4] == _LEAN:
+        return Decoded(body[4:], [], [], [], [], b"", False, 1)
     try:
         count = bucket_count(body, source=source)
         header, start = _header(body, count, source)

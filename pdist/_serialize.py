@@ -151,6 +151,29 @@ class _Pickler(pickle.Pickler):
         return index
 
 
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+_SCAN = 64  # items looked at before a container counts as not small
+
+
+def _small_and_builtin(obj: Any) -> bool:
+    """Whether ``obj`` is a few builtin scalars in dicts, lists and tuples (no tensor inside)."""
+    todo, seen = [obj], 0
+    while todo:
+        item = todo.pop()
+        kind = type(item)
+        if kind in _SCALARS:
+            continue
+        if kind is not dict and kind is not list and kind is not tuple:
+            return False
+        seen += 1 + len(item)
+        if seen > _SCAN:
+            return False
+        todo.extend(item)
+        if kind is dict:
+            todo.extend(item.values())
+    return True
+
+
 def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
     """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those.
 
@@ -158,6 +181,9 @@ def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
         TypeError: ``obj`` cannot be pickled (its message says why and what to do; also
             an instance of the pickling error's own type).
     """
+    if _small_and_builtin(obj):
+        # torch's pickler hook runs in Python for every object; a small config has no tensor.
+        return pickle.dumps(obj, protocol=PROTOCOL), []
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     try:
@@ -218,13 +244,22 @@ def _persistent_loader(
                     return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
                         wrap_storage=storage_of(index), dtype=dtype_of(pid[3]), _internal=True
                     )
-        msg = (
-            f"unexpected persistent id {pid!r:.120} in a received object "
-            f"({len(entries)} tensors and storages travelled with it)"
-        )
-        raise PdistError(msg)
+        raise _unexpected(pid, len(entries))
 
     return load, untyped
+
+
+def _unexpected(pid: Any, travelled: int) -> PdistError:
+    msg = (
+        f"unexpected persistent id {pid!r:.120} in a received object "
+        f"({travelled} tensors and storages travelled with it)"
+    )
+    return PdistError(msg)
+
+
+def _no_entries(pid: Any) -> Any:
+    """The ``persistent_load`` of a skeleton that travelled alone (most small objects)."""
+    raise _unexpected(pid, 0)
 
 
 # Torch queues every sparse tensor it unpickles in one module-level list, to be validated
@@ -257,7 +292,7 @@ def loads(
     Raises:
         PdistError: The object is refused or cannot be rebuilt (naming why).
     """
-    persistent_load, storages = _persistent_loader(entries, storage)
+    persistent_load, storages = _persistent_loader(entries, storage) if entries else (None, {})
     # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly;
     # only storages travel with such tensors (and the filter costs as much as a tiny load).
     quiet = _quiet_storages() if any(storage) else contextlib.nullcontext()
@@ -290,12 +325,14 @@ def loads(
 
 def _load(data: bytes, persistent_load: Any, safe: Safe) -> Any:
     try:
+        if safe is False and persistent_load is None:
+            return pickle.loads(data)  # it refuses any persistent id: nothing travelled
         if safe is False:
             unpickler = pickle.Unpickler(io.BytesIO(data))
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             return unpickler.load()
         extra: list[Any] = [] if safe is True else list(safe)
-        return _compat.safe_load(data, persistent_load, extra)
+        return _compat.safe_load(data, persistent_load or _no_entries, extra)
     except PdistError:
         raise
     except pickle.UnpicklingError as exc:

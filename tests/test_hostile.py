@@ -162,6 +162,9 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
             ),
         ),
         ("header nested too deeply", OK, _prefix_body(b"[" * 1500 + b"]" * 1500)),
+        # The lean form (a skeleton alone, as a tensorless object travels): the same checks.
+        ("lean pickled skeleton", OK, b"pdP0" + evil),
+        ("lean bad persistent id", OK, b"pdP0" + bad_pid.getvalue()),
         (
             "dims past int64",
             OK,
@@ -269,6 +272,8 @@ EXPECTED = {
     "storage of the wrong size": "needs 4000 bytes of a storage of which 3 travelled",
     "dims past int64": "tensor record",
     "header nested too deeply": "the header nests too deeply",
+    "lean pickled skeleton": "safe unpickling refused",
+    "lean bad persistent id": "unexpected persistent id",
 }
 
 PATHS = [
