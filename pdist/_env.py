@@ -237,13 +237,8 @@ def env_seconds(
         return None
     if not math.isfinite(seconds) or seconds <= 0:
         expected = "a finite number >= 0" if zero_means_forever else "a finite number > 0"
-        logger.warning(
-            "pdist: ignoring %s=%r (expected %s of seconds); using the default %gs",
-            name,
-            raw,
-            expected,
-            default,
-        )
+        msg = "pdist: ignoring %s=%r (expected %s of seconds); using the default %gs"
+        logger.warning(msg, name, raw, expected, default)
         return default
     return seconds
 
@@ -261,25 +256,16 @@ def world_comm_timeout(environ: Mapping[str, str] | None = None) -> float | None
     Unset gives 600 s; ``0`` waits forever; a non-number, ``nan``, ``inf`` or a
     negative value logs a warning naming the variable and gives the default.
     """
-    return env_seconds(
-        "PDIST_WORLD_COMM_TIMEOUT_SEC",
-        DEFAULT_WORLD_COMM_TIMEOUT_SEC,
-        zero_means_forever=True,
-        environ=environ,
-    )
+    name, default = "PDIST_WORLD_COMM_TIMEOUT_SEC", DEFAULT_WORLD_COMM_TIMEOUT_SEC
+    return env_seconds(name, default, zero_means_forever=True, environ=environ)
 
 
 KNOWN_BACKENDS = ("gloo", "nccl", "xccl", "hccl", "mpi", "ucc")
 """Backends ``distributed(backend=...)`` accepts."""
 
 DEFAULT_BACKENDS: dict[str, str] = {
-    "cuda": "nccl",
-    "xpu": "xccl",
-    "npu": "hccl",
-    "hpu": "hccl",
-    "mps": "gloo",
-    "cpu": "gloo",
-}
+    "cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mps": "gloo", "cpu": "gloo"
+}  # fmt: skip
 """The backend of each device type, where torch cannot say (``get_default_backend_for_device``)."""
 
 # The device type a backend's tensors must live on; the others take any device.
@@ -359,12 +345,6 @@ def _check_rank_arg(name: str, value: object) -> None:
         raise ValueError(msg)
 
 
-def _not_available(device: object, kind: str) -> ValueError:
-    label = kind.upper()
-    msg = f"device={device!r} needs {label}, which is not available; use device='cpu'"
-    return ValueError(msg)
-
-
 def _in_range(
     device: object, kind: str, index: int, accelerator: Accelerator, from_local_rank: bool
 ) -> torch.device:
@@ -409,7 +389,8 @@ def _resolve_device(
     if resolved.type == "cpu":
         return resolved
     if accelerator is None or resolved.type != accelerator.type:
-        raise _not_available(device, resolved.type)
+        msg = f"device={device!r} needs {resolved.type.upper()}, which is not available"
+        raise ValueError(msg + "; use device='cpu'")
     index = local_rank if resolved.index is None else resolved.index
     return _in_range(device, resolved.type, index, accelerator, False)
 
