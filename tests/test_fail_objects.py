@@ -248,41 +248,24 @@ def _send_large_cannot_allocate(ctx):
         pdist.recv_object(ctx, src=0)
 
 
+def _oom(fn, world_size: int, bad_rank: int) -> Case:
+    """A case whose bad rank fails to allocate (the allocate seam's simulated OOM)."""
+    return Case(fn, world_size, bad_rank, RuntimeError, re.escape("simulated out of memory"))
+
+
 CASES = {
     # name: the call, world size, the bad rank, the error type on every rank, the text
-    "broadcast_large_receiver_cannot_allocate": Case(
-        _broadcast_large_receiver_cannot_allocate,
-        3,
-        1,
-        RuntimeError,
-        re.escape("simulated out of memory"),
+    "broadcast_large_receiver_cannot_allocate": _oom(
+        _broadcast_large_receiver_cannot_allocate, 3, 1
     ),
-    "broadcast_large_source_cannot_allocate": Case(
-        _broadcast_large_source_cannot_allocate,
-        3,
-        0,
-        RuntimeError,
-        re.escape("simulated out of memory"),
+    "broadcast_large_source_cannot_allocate": _oom(_broadcast_large_source_cannot_allocate, 3, 0),
+    "mq_large_receiver_cannot_allocate": _oom(_mq_large_receiver_cannot_allocate, 3, 1),
+    "all_gather_large_cannot_allocate": _oom(_all_gather_large_cannot_allocate, 3, 1),
+    "gather_large_destination_cannot_allocate": _oom(
+        _gather_large_destination_cannot_allocate, 3, 1
     ),
-    "mq_large_receiver_cannot_allocate": Case(
-        _mq_large_receiver_cannot_allocate, 3, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
-    "all_gather_large_cannot_allocate": Case(
-        _all_gather_large_cannot_allocate, 3, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
-    "gather_large_destination_cannot_allocate": Case(
-        _gather_large_destination_cannot_allocate,
-        3,
-        1,
-        RuntimeError,
-        re.escape("simulated out of memory"),
-    ),
-    "recv_large_cannot_allocate": Case(
-        _recv_large_cannot_allocate, 2, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
-    "send_large_cannot_allocate": Case(
-        _send_large_cannot_allocate, 2, 0, RuntimeError, re.escape("simulated out of memory")
-    ),
+    "recv_large_cannot_allocate": _oom(_recv_large_cannot_allocate, 2, 1),
+    "send_large_cannot_allocate": _oom(_send_large_cannot_allocate, 2, 0),
     "bol_pack_fails": Case(
         _bol_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
     ),
@@ -315,40 +298,22 @@ CASES = {
     "bol_receiver_bad_min_bytes": Case(
         _bol_receiver_bad_min_bytes, 3, 1, ValueError, re.escape("min_tensor_bytes=-5 on rank 1")
     ),
-    "bol_receiver_allocation_fails": Case(
-        _bol_receiver_allocation_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
-    "tensor_dict_receiver_allocation_fails": Case(
-        _tensor_dict_receiver_allocation_fails,
-        3,
-        1,
-        RuntimeError,
-        re.escape("simulated out of memory"),
-    ),
-    "all_gather_allocation_fails": Case(
-        _all_gather_allocation_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
+    "bol_receiver_allocation_fails": _oom(_bol_receiver_allocation_fails, 3, 1),
+    "tensor_dict_receiver_allocation_fails": _oom(_tensor_dict_receiver_allocation_fails, 3, 1),
+    "all_gather_allocation_fails": _oom(_all_gather_allocation_fails, 3, 1),
     "all_gather_bad_safe": Case(
         _all_gather_bad_safe, 2, 1, TypeError, re.escape("safe='yes' on rank 1")
     ),
-    "gather_allocation_fails": Case(
-        _gather_allocation_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
+    "gather_allocation_fails": _oom(_gather_allocation_fails, 3, 1),
     "gather_bad_safe": Case(
         _gather_bad_safe, 2, 1, TypeError, re.escape("safe= on rank 1 lists 1")
     ),
-    "recv_object_allocation_fails": Case(
-        _recv_object_allocation_fails, 2, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
+    "recv_object_allocation_fails": _oom(_recv_object_allocation_fails, 2, 1),
     "recv_object_bad_safe": Case(
         _recv_object_bad_safe, 2, 1, TypeError, re.escape("safe=None on rank 1")
     ),
-    "recv_tensor_dict_allocation_fails": Case(
-        _recv_tensor_dict_allocation_fails, 2, 1, RuntimeError, re.escape("simulated out of memory")
-    ),
-    "staged_receiver_allocation_fails": Case(
-        _staged_receiver_allocation_fails, 4, 3, RuntimeError, re.escape("simulated out of memory")
-    ),
+    "recv_tensor_dict_allocation_fails": _oom(_recv_tensor_dict_allocation_fails, 2, 1),
+    "staged_receiver_allocation_fails": _oom(_staged_receiver_allocation_fails, 4, 3),
 }
 
 
