@@ -59,6 +59,9 @@ def _multi_rank() -> list[object]:
             pass
         with pdist.graph_capture(ctx) as capture:
             out.append(capture.stream is not None)
+        # Two blocks of one rank each: a real split_group of the bound world communicator.
+        solo = pdist.new_group(ctx, [[0], [1]], name="solo")
+        out.append(pdist.all_reduce(solo, torch.ones(1, device=ctx.device)).tolist())
         return out
 
 
@@ -74,6 +77,22 @@ def test_nccl_collectives_and_objects():
         assert out[4] == f"cuda:{rank}"
         assert out[5] == [0, 1]
         assert out[6] is True
+        assert out[7] == [1.0]
+
+
+def _tp_dp_axes() -> list[list[float]]:
+    # Bound to cuda:<local rank>: eager NCCL bring-up (device_id=) under the start-up
+    # deadline, the world probe, then one split_group per axis.
+    with pdist.distributed(tp=2) as ctx:
+        one = torch.ones(1, device=ctx.device)
+        return [pdist.all_reduce(g, one * (ctx.rank + 1)).tolist() for g in (ctx.tp, ctx.dp)]
+
+
+@pytest.mark.skipif(_gpus() < 4, reason="needs 4 GPUs (tp=2 x dp=2)")
+def test_nccl_tp_and_dp_axes_by_split_group():
+    """On 4 GPUs, tp=2: each axis group sums over exactly its ranks (tp: 0-1, 2-3; dp: 0,2)."""
+    results = spawn(_tp_dp_axes, 4, timeout=300)
+    assert results == [[[3.0], [4.0]], [[3.0], [6.0]], [[7.0], [4.0]], [[7.0], [6.0]]]
 
 
 def _cuda_l2_limit() -> int:
