@@ -243,10 +243,11 @@ class _MessageQueue:
     def _write(
         self, group: Group, payload: bytes | None, error: BaseException | None, what: str
     ) -> bytes:
-        seq, load, peers = self._seq + 1, self._words.load, group.ranks[1:]
+        seq = self._seq + 1
         free = seq - self._chunks  # every reader must have consumed this one
         message = _wire.frame(payload, error, group.rank)
         if not self._slot_free(free, what):
+            load, peers = self._words.load, group.ranks[1:]
 
             def waiting() -> str:
                 slow = [r for r, w in zip(peers, self._progress, strict=True) if load(w) < free]

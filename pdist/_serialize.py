@@ -293,15 +293,12 @@ def loads(
         PdistError: The object is refused or cannot be rebuilt (naming why).
     """
     persistent_load, storages = _persistent_loader(entries, storage) if entries else (None, {})
-    # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly;
-    # only storages travel with such tensors (and the filter costs as much as a tiny load).
-    quiet = _quiet_storages() if any(storage) else contextlib.nullcontext()
-    with _SPARSE_LOCK, quiet:
+    with _SPARSE_LOCK:
         pending = _compat.sparse_tensors_to_validate()
         start = len(pending)
         try:
-            obj = _load(data, persistent_load, safe)
-            fresh = list(pending[start:])
+            obj = _load(data, persistent_load, safe, quiet=any(storage))
+            fresh = pending[start:]
         finally:
             del pending[start:]
         # torch grows a storage too small for the tensor set on it (with uninitialized memory).
@@ -323,7 +320,12 @@ def loads(
     return obj
 
 
-def _load(data: bytes, persistent_load: Any, safe: Safe) -> Any:
+def _load(data: bytes, persistent_load: Any, safe: Safe, *, quiet: bool) -> Any:
+    if quiet:
+        # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates
+        # loudly; only storages travel with such tensors (the filter costs a tiny load).
+        with _quiet_storages():
+            return _load(data, persistent_load, safe, quiet=False)
     try:
         if safe is False and persistent_load is None:
             return pickle.loads(data)  # it refuses any persistent id: nothing travelled
