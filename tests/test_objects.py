@@ -106,6 +106,22 @@ def test_all_gather_and_gather_object(ctx):
 
 
 @world_sizes(3)
+def test_objects_with_and_without_tensors_travel_together(ctx):
+    """Plain objects (their pickle alone) and objects with tensors mix in every transport."""
+    mine = {"r": ctx.rank, "t": torch.arange(600.0)} if ctx.rank == 1 else {"r": ctx.rank}
+    gathered = pdist.all_gather_object(ctx, mine)
+    assert [o["r"] for o in gathered] == [0, 1, 2]
+    assert torch.equal(gathered[1]["t"], torch.arange(600.0))
+    got = pdist.gather_object(ctx, mine, dst=2)
+    assert (got is None) if ctx.rank != 2 else ([o["r"] for o in got] == [0, 1, 2])
+    for src in range(3):  # a plain list of 100 items is pickled with the tensor hook
+        objs = [mine, list(range(100)), ("a", None, 1.5)] if ctx.rank == src else [None] * 3
+        pdist.broadcast_object_list(ctx, objs, src=src)
+        assert objs[0]["r"] == src
+        assert objs[1:] == [list(range(100)), ("a", None, 1.5)]
+
+
+@world_sizes(3)
 def test_send_recv_object(ctx):
     """send_object/recv_object move an object between two ranks of the group."""
     if ctx.rank == 0:
