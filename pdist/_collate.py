@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from . import _agree, _wire
+from . import _agree, _plain, _wire
 from ._buffers import ALIGN, aligned, allocate
 from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
@@ -288,7 +288,7 @@ def _parse(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], A
         PdistError: The record is not one that pdist sends.
     """
     try:
-        spec, leaves = _tuples(json.loads(record))
+        spec, leaves = _tuples(_plain.loads(record))
         named: list[tuple[str, torch.Tensor]] = []
         # Rebuilding the structure checks it, and names the leaves as their rank did.
         if _flatten(_unflatten(spec, itertools.repeat(torch.empty(0))), "", named) != spec:

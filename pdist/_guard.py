@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from ._group import DistContext
 __all__ = [
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
     "Deadline",
+    "end_process",
     "grace",
     "probe_world",
     "world_comm_guard",
@@ -207,12 +209,21 @@ class Deadline:
             logger.error(message)
         else:  # logging is not configured: still say why the process ends, once
             sys.stderr.write(message + "\n")
-        for handler in logging.getLogger().handlers + logger.handlers:
-            handler.flush()
-        sys.stderr.flush()
         # The others' watchdogs fire about now too (within their start-up skew).
-        time.sleep(self._linger)
-        os._exit(WORLD_COMM_TIMEOUT_EXIT_CODE)
+        end_process(WORLD_COMM_TIMEOUT_EXIT_CODE, self._linger)
+
+
+def end_process(code: int, linger: float = 0.0) -> NoReturn:
+    """Flush the logs, serve ``linger`` seconds more, then end the process with ``code`` now.
+
+    ``os._exit``: no cleanup that could wait on a peer (a collective, a group's
+    destructor) runs; ``linger`` lets the others still read a store this process hosts.
+    """
+    for handler in logging.getLogger().handlers + logger.handlers:
+        handler.flush()
+    sys.stderr.flush()
+    time.sleep(linger)
+    os._exit(code)
 
 
 def probe_world(ctx: DistContext) -> None:

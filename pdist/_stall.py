@@ -45,9 +45,10 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from . import _compat, _plain
 from ._compat import PrefixStore, Store
 from ._group import Group, Lifetime
+from ._guard import end_process
 from ._inflight import InFlight
 from ._stall_report import format_report, frame_text, picture, stalled
 
@@ -502,7 +503,7 @@ class Watch:
             return
         if told is None:
             return
-        verdict = json.loads(told)
+        verdict = _plain.loads(told)
         holds = verdict["report"] and verdict["holder"] == self.rank
         self._act(verdict, k, conn.get(f"report/{k}").decode() if holds else "")
 
@@ -522,12 +523,8 @@ class Watch:
             self._exit()
 
     def _exit(self) -> None:
-        for handler in logging.getLogger().handlers + logger.handlers:
-            handler.flush()
-        sys.stderr.flush()
-        if self._hosts_store:
-            time.sleep(_LINGER)  # the others still read their verdicts from this process
-        os._exit(STALL_EXIT_CODE)
+        # A store-hosting rank serves on: the others still read their verdicts from it.
+        end_process(STALL_EXIT_CODE, _LINGER if self._hosts_store else 0.0)
 
 
 def _answers(conn: Store) -> bool:
@@ -568,7 +565,7 @@ def _read_answers(conn: Store, k: int, world_size: int) -> list[dict[str, Any]]:
         part = keys[i : i + _CHUNK]
         for key, raw in zip(part, conn.multi_get(part), strict=True):
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-                rec = json.loads(raw)
+                rec = _plain.loads(raw)
                 if rec["rank"] == int(key.rsplit("/", 1)[1]) and _well_formed(rec):
                     records.append(rec)
     return records

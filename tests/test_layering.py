@@ -70,6 +70,7 @@ FEATURE_EDGES = {
     ("_context", "_topology"),
     ("_context", "_guard"),
     ("_context", "_stall"),
+    ("_stall", "_guard"),  # a stall exit ends the process as the start-up guard does
     ("_stall", "_stall_report"),  # the watch and its pure formatter
     ("__main__", "cli"),  # python -m pdist runs the command line
 }

@@ -9,6 +9,7 @@ frozen, the whole wait passes (3 s).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ from launcher import run_ranks
 
 import pdist
 from pdist import _compat, _env
+from pdist._stall import _read_answers
 from pdist._stall_report import format_ranks, format_report, picture, stalled
 from pdist.testing import spawn
 
@@ -169,6 +171,25 @@ def test_picture_ignores_ages_but_not_moves():
     b = [_record(0, WAITING, inflight=_op(7, age=50.0))]
     c = [_record(0, LOADING, inflight=_op(7, age=50.0))]
     assert picture(a, 2) == picture(b, 2) != picture(c, 2)
+
+
+def test_a_malformed_answer_counts_as_no_answer():
+    """A peer's answer that is not a record is left out, as if that rank had not answered.
+
+    Not JSON, nested past the interpreter's recursion limit, the wrong shape, another
+    rank's: the report goes on with the answers that are records.
+    """
+    store = torch.distributed.HashStore()
+    answers = [
+        json.dumps(_record(0, WAITING, inflight=_op(7))),
+        "[" * 1500 + "]" * 1500,  # past the recursion limit: refused, not raised
+        "not json",
+        json.dumps({**_record(3, WAITING), "stack": [["train.py", 40]]}),
+        json.dumps(_record(0, WAITING)),  # under rank 4's key
+    ]
+    for rank, raw in enumerate(answers):
+        store.set(f"answer/1/{rank}", raw)
+    assert [r["rank"] for r in _read_answers(store, 1, 6)] == [0]
 
 
 # --------------------------------------------------------------------------- real stalls
