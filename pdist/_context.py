@@ -124,7 +124,7 @@ class _Distributed:
     def _watched(self) -> bool:
         """Whether this block gets a stall watch: on, and a world whose collectives can wait."""
         s = self._settings
-        return s.stall_timeout is not None and s.launch.world_size > 1 and s.backend != "fake"
+        return s.stall_timeout is not None and s.launch.world_size > 1
 
     def _start_watch(self, lifetime: Lifetime, ctx: DistContext) -> None:
         settings = self._settings

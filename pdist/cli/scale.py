@@ -1,7 +1,8 @@
 """``pdist bench --simulate-world W``: start-up cost of one rank of a simulated W-rank job.
 
 The rank runs on torch's fake process group (every collective accepted, no data moved), which
-``distributed(tp=8)`` adopts, in a fresh interpreter per measurement. Modes: ``pdist``;
+``distributed(tp=8, stall_timeout=0)`` adopts (start-up alone: no stall watch), in a fresh
+interpreter per measurement. Modes: ``pdist``;
 ``mesh``, ``init_device_mesh("cpu", (W // 8, 1, 8))``; ``pdist-split``, pdist on an
 accelerator-bound world (device groups split from the world).
 
@@ -140,7 +141,7 @@ def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str,
             shape, names = (world_size // _TP, 1, _TP), ("dp", "sp", "tp")
             held: Any = init_device_mesh("cpu", shape, mesh_dim_names=names)
         else:
-            held = distributed(tp=_TP)
+            held = distributed(tp=_TP, stall_timeout=0)  # start-up only: no watch
             held.__enter__()
             if clean_up:  # before the patches go: the stack closes last in, first out
                 stack.callback(held.__exit__, None, None, None)
