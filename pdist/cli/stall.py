@@ -1,8 +1,9 @@
 """``python -m pdist bench --stall-overhead``: what the stall watch costs, watch on against off.
 
 torch reads the flight recorder's buffer size once per process, so each
-setting runs in a world of fresh processes: worlds alternate, on, off, on,
-off, ..., so that drift on a shared machine hits both alike. Each world
+setting runs in a world of fresh processes: worlds alternate, on, off, off,
+on, on, off, ..., so that drift on a shared machine hits both alike and
+neither setting always runs first in its pair. Each world
 times three cases as the median of interleaved batches (the same timer as
 every bench case): a 1 MiB ``all_reduce``, a tiny ``broadcast_object`` and a
 DDP step (forward, backward with its bucket all-reduce, SGD step). A case's
@@ -147,7 +148,7 @@ def measure_overhead(
     seconds: dict[str, dict[str, list[float]]] = {c.name: {"on": [], "off": []} for c in CASES}
     cpu: list[float] = []
     for i in range(2 * runs):
-        setting = "on" if i % 2 == 0 else "off"
+        setting = "on" if i % 4 in (0, 3) else "off"  # pairs on-off, off-on, ...
         timeout = stall_timeout if setting == "on" else 0.0
         # Fresh processes: torch reads the recorder's size once per process.
         figures = spawn(
