@@ -1,13 +1,11 @@
 """Fail together: the primitives every feature builds on, written once.
 
-Every feature that crosses ranks checks locally, then the ranks agree that
-they can go on, then data moves. :func:`status` is one small all-reduce over
-the CPU group: when a rank failed, every rank raises the same error naming it
-(the failing rank, of its own error's type too), so nobody is left waiting in
-the transfer that would have followed; with a summary it also compares a
-digest (:func:`agree` exchanges summaries only on a mismatch). :func:`tell`
-and :func:`hear` do the same for the two ends of a point-to-point transfer.
-Failures travel as fixed-size marker slots (plain data, never a pickle).
+Every feature that crosses ranks checks locally, then the ranks agree that they
+can go on, then data moves. :func:`status` is one small all-reduce over the CPU
+group: when a rank failed, every rank raises the same error naming it, so nobody
+is left waiting in the transfer that would have followed; with a summary it
+also compares a digest. :func:`tell` and :func:`hear` do the same for the two
+ends of a point-to-point transfer. Failures travel as fixed-size marker slots.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ __all__ = [
     "check_same",
     "first_failing",
     "hear",
-    "raise_failure",
     "raise_marker",
     "raise_own",
     "ranks_by_value",
@@ -53,7 +50,7 @@ _SLOT = 4096  # bytes per rank of a failure: a framed message's first chunk (``_
 _SUMMARY = 512  # bytes per rank of a summary shown in a mismatch message
 
 
-def raise_failure(
+def _raise_failure(
     group: Group, what: str, rank: int, kind: str, text: str, own: BaseException | None
 ) -> NoReturn:
     """Raise the error of a failure on ``rank`` (``own``: this rank's error, if it failed)."""
@@ -68,7 +65,7 @@ def raise_marker(group: Group, what: str, body: bytes, own: BaseException | None
     if found is None:
         msg = f"{what} on group {group.name!r}: a peer sent a malformed error marker"
         raise PdistError(msg)
-    raise_failure(group, what, *found, own=own)
+    _raise_failure(group, what, *found, own=own)
 
 
 def _slot(rank: int, error: BaseException | None) -> torch.Tensor:
@@ -96,24 +93,15 @@ def _raise_from_slots(
 def status(
     group: Group, error: BaseException | None, *, what: str, summary: str | bytes | None = None
 ) -> bool:
-    """Every rank reports whether its local step failed; if one did, every rank raises.
-
-    ``error`` is this rank's failure (None when its step went well). With
-    ``summary``, the same all-reduce also tells whether every rank passed the
-    same one (the return value; True without a summary).
-
-    .. note:: All ranks of the group must call it.
-
-    Raises:
-        PdistError: On every rank when some rank failed, naming the lowest such
-            rank (a ``TypeError``/``ValueError`` too for those kinds; on the
-            failing rank an instance of its own error's type, chained to it).
-    """
+    """Every rank reports its ``error``, and all raise if one failed; True: same ``summary``."""
     if group.world_size == 1:
         if error is not None:
             raise_own(group, error, what, wrap_pdist=True)
         return True
-    h = 0 if summary is None else _digest(summary)
+    h = 0
+    if summary is not None:  # 63 bits, so that h and -h both fit an int64
+        data = summary.encode() if isinstance(summary, str) else summary
+        h = int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
     # max(h) == -max(-h) exactly when every rank passed the same digest.
     flags = torch.tensor([0 if error is None else 1, h, -h], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.cpu_group)
@@ -123,10 +111,7 @@ def status(
 
 
 def settle(group: Group, error: BaseException | None, *, together: bool, what: str) -> None:
-    """Report this rank's ``error``: to every rank when ``together``, else on this rank alone.
-
-    ``together`` (a transfer follows) must be alike on every rank; without it nobody waits.
-    """
+    """Report ``error`` to every rank when ``together`` (alike on all ranks), else raise it here."""
     if together:
         status(group, error, what=what)
     elif error is not None:
@@ -143,14 +128,10 @@ def spread(group: Group, error: BaseException | None, *, what: str) -> NoReturn:
 def raise_own(
     group: Group, error: BaseException, what: str, *, wrap_pdist: bool = False
 ) -> NoReturn:
-    """Raise this rank's own failure where no collective carries it to the others.
-
-    A :class:`~pdist.PdistError` as it is (unless ``wrap_pdist``); anything else
-    as the error the peers would raise, of its own type too.
-    """
+    """Raise this rank's failure as the peers would (a PdistError as is, unless ``wrap_pdist``)."""
     if isinstance(error, PdistError) and not wrap_pdist:
         raise error
-    raise_failure(group, what, group.rank, kind_name(error), str(error), error)
+    _raise_failure(group, what, group.rank, kind_name(error), str(error), error)
 
 
 def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
@@ -168,19 +149,8 @@ def hear(group: Group, peer: int, *, what: str) -> None:
         _raise_from_slots(group, [slot], None, what)
 
 
-def _digest(summary: str | bytes) -> int:
-    """A 63-bit digest of ``summary`` (so that ``h`` and ``-h`` both fit an int64)."""
-    data = summary.encode() if isinstance(summary, str) else summary
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
-
-
 def agree(group: Group, summary: str | bytes) -> list[str] | None:
-    """Whether every rank passed the same ``summary``: None if so, else every rank's summary.
-
-    Only on a mismatch do the summaries travel (their first 512 bytes each).
-
-    .. note:: All ranks of the group must call it.
-    """
+    """None if every rank passed the same ``summary``, else every rank's (only then they travel)."""
     if status(group, None, what="agree", summary=summary):
         return None
     data = summary.encode() if isinstance(summary, str) else summary
@@ -203,15 +173,7 @@ def ranks_by_value(values: Mapping[int, Hashable], *, value_first: bool = True) 
 
 
 def check_same(group: Group, what: str, summary: str, error: BaseException | None) -> None:
-    """Check that every rank passed the same arguments; raise the same error on every rank.
-
-    ``summary`` describes this rank's arguments, ``error`` is its own validation
-    error: ranks that all failed alike raise it, and a mix raises the mismatch.
-
-    Raises:
-        RankMismatchError: The ranks' summaries differ (naming the ranks of each).
-        TypeError | ValueError: Every rank's own validation error (the same on every rank).
-    """
+    """Raise on every rank, alike, unless all passed the same ``summary`` and no ``error``."""
     text = f"{kind_name(error)}: {error}" if error is not None else summary
     summaries = agree(group, text)
     if summaries is not None:
@@ -223,10 +185,7 @@ def check_same(group: Group, what: str, summary: str, error: BaseException | Non
 
 
 def first_failing(group: Group, failed: bool) -> int | None:
-    """The lowest group index whose rank passed ``failed``, agreed in one all-reduce (or None).
-
-    .. note:: All ranks of the group must call it.
-    """
+    """The lowest group index whose rank passed ``failed``, agreed in one all-reduce (or None)."""
     if group.world_size == 1:
         return group.rank_in_group if failed else None
     n = group.world_size

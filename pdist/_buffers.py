@@ -27,9 +27,7 @@ __all__ = [
     "tensor_bytes",
 ]
 
-ALIGN = 64
-"""Byte alignment of the parts of a slab, so that every dtype can view its slice."""
-
+ALIGN = 64  # byte alignment of the parts of a slab, so that every dtype can view its slice
 _CPU = torch.device("cpu")
 _HUGE_MIN_BYTES = 32 << 20  # glibc's largest mapping threshold
 
@@ -48,31 +46,19 @@ def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     return out, total
 
 
-def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
-    """An uninitialized uint8 buffer; large CPU ones are backed by transparent huge pages.
-
-    glibc maps blocks of 32 MiB and more fresh, and their first write faults per
-    4 KiB page: for a 128 MiB receive buffer as costly as the transfer itself.
-    Huge pages cut the faults 512-fold (``python -m pdist bench``, case (a));
-    smaller blocks come warm from the heap.
-    """
-    if device.type != "cpu" or nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the region alive
-
-
 def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") -> torch.Tensor:
-    """An uninitialized uint8 buffer of ``nbytes`` on ``device``.
+    """An uninitialized uint8 buffer of ``nbytes`` on ``device``, or a :class:`PdistError`.
 
-    Raises:
-        PdistError: It cannot be allocated (out of memory, or a size no buffer
-            can have, such as one a corrupt header announced).
+    Large CPU ones are backed by transparent huge pages: glibc maps large blocks fresh, and
+    their first write faults per 4 KiB page (as costly as the transfer, ``pdist bench``).
     """
     try:
         _seams.allocating(nbytes)
-        return _empty(nbytes, device)
+        if device.type != "cpu" or nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the region alive
     except Exception as exc:  # RuntimeError (out of memory), OverflowError, OSError (mmap)
         msg = (
             f"could not allocate {nbytes} bytes on {device} for {what} ({type(exc).__name__}: "
@@ -91,14 +77,10 @@ def slab(sizes: Sequence[int], device: torch.device, *, what: str) -> list[torch
 def filled(
     data: bytes | bytearray | memoryview, size: int = 0, *, what: str | None
 ) -> torch.Tensor:
-    """A uint8 CPU tensor holding ``data``, zero-padded to ``size`` bytes.
-
-    ``what=None`` (small fixed-size chunks) bypasses :func:`allocate`: those
-    must exist to carry any other failure.
-    """
+    """``data`` in a uint8 CPU tensor of ``size`` bytes or more (``what=None``: not allocated)."""
     n = len(data)
     total = max(n, size)
-    if what is None:  # one copy into fresh zeros: the padding is zeros (see below)
+    if what is None:  # one copy into fresh zeros
         return torch.frombuffer(bytearray(bytes(data).ljust(total, b"\0")), dtype=torch.uint8)
     out = allocate(total, what=what)
     if n:
@@ -116,10 +98,7 @@ def bytes_of(t: torch.Tensor, n: int | None = None, offset: int = 0) -> bytes:
 
 
 def resolved(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached, a pending conjugation or negation applied (a copy only then).
-
-    Such views cannot be seen as bytes; resolving them first keeps packing from failing half-way.
-    """
+    """``t`` detached, a pending conjugation or negation applied: such views have no bytes."""
     flat = t.detach()
     if flat.is_conj():
         flat = flat.resolve_conj()

@@ -58,9 +58,7 @@ _PEER_TYPES: dict[str, type[RemoteError]] = {
     "RemoteValueError": RemoteValueError,
 }
 
-HEADER = struct.Struct("<Bq")
-"""A framed message's header: status (:data:`OK` or :data:`ERROR`), then the body's length."""
-
+HEADER = struct.Struct("<Bq")  # a framed message's header: status (OK or ERROR), body length
 OK, ERROR = 1, 2
 
 _MARKER = struct.Struct("<qI")  # failing rank, length of the error's type name (then the text)
@@ -73,7 +71,7 @@ def kind_name(error: BaseException) -> str:
 
 
 def encode_marker(rank: int, error: BaseException) -> bytes:
-    """The plain-data form of ``error`` on ``rank``: a struct, the type name, the text."""
+    """The plain-data form of ``error`` on ``rank``."""
     kind = kind_name(error).encode()
     text = str(error).encode(errors="replace")[:MAX_MARKER_TEXT]
     return _MARKER.pack(rank, len(kind)) + kind + text
@@ -111,12 +109,7 @@ def _made(cls: Any, message: str) -> BaseException | None:
 
 
 def translated(error: BaseException, as_type: type[BaseException], message: str) -> BaseException:
-    """``message`` as an ``as_type`` that is still an instance of ``error``'s type, chained to it.
-
-    For errors pdist explains better than the original did (a pickling failure
-    becomes a ``TypeError`` saying what to do), while code that catches the
-    original type, as it would around torch, still catches it.
-    """
+    """``message`` as an ``as_type`` that is still of ``error``'s type too, chained to it."""
     name = f"{as_type.__name__}From{type(error).__name__}"
     joined = _join(cast("Any", as_type), cast("Any", type(error)), name, as_type.__name__)
     out = _made(joined, message) if joined not in (None, type(error)) else None
@@ -126,12 +119,7 @@ def translated(error: BaseException, as_type: type[BaseException], message: str)
 
 
 def failure(message: str, kind: str, own: BaseException | None) -> BaseException:
-    """The error a rank raises for a collective that failed on some rank.
-
-    ``own`` is this rank's own error when it is the failing rank: the result is
-    then an instance of ``own``'s type too, with ``own`` as its cause. Peers get
-    a :class:`RemoteError` (a ``TypeError`` or ``ValueError`` for those kinds).
-    """
+    """The error for a collective that failed on some rank (``own``: this rank's, if it failed)."""
     if own is None:
         return _PEER_TYPES.get(kind, RemoteError)(message)
     if isinstance(own, RemoteError):

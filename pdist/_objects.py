@@ -32,18 +32,8 @@ __all__ = [
     "check_tensor_dict",
 ]
 
-DEFAULT_MIN_TENSOR_BYTES = 1024
-"""Tensors smaller than this travel inside the header message (see docs/guide/objects.md).
-
-Below ~1 KiB, copying a tensor into the header costs less than the bucket collective it needs.
-"""
-
-DEFAULT_BUCKET_BYTES = 16 << 20
-"""Upper bound of one coalesced bucket (a larger tensor travels alone, uncopied).
-
-The source packs bucket k+1 while bucket k is on the wire; 4 to 32 MiB buckets
-take the same time, 1 and 2 MiB cost 20-25% more.
-"""
+DEFAULT_MIN_TENSOR_BYTES = 1024  # smaller tensors travel inside the header message
+DEFAULT_BUCKET_BYTES = 16 << 20  # bound of one coalesced bucket (a larger tensor travels alone)
 
 
 def _broadcast(
@@ -57,12 +47,7 @@ def _broadcast(
     error: BaseException | None = None,
     what: str,
 ) -> Any:
-    """Broadcast ``obj`` from group index ``src``: the engine of the object broadcasts.
-
-    What ``check`` raises on the source, or the caller's ``error``, reaches every
-    rank (a receiver's travels in the status when buckets follow, else raises
-    there alone). The source returns ``obj``; receivers the rebuilt object.
-    """
+    """Broadcast ``obj`` from ``src``; ``check``'s error on the source, or ``error``, travels."""
     group.global_rank(src)
     if error is None:
         safe, error = safe_or_error(safe, group.rank)
@@ -202,8 +187,7 @@ def broadcast_object_list(
     """Broadcast ``object_list`` from group index ``src`` into every rank's list, in place.
 
     A drop-in for ``torch.distributed.broadcast_object_list`` that pickles only
-    the skeleton: dense tensors travel as tensors, coalesced into buckets, and
-    arrive on the receiver's device. Anything picklable travels as with torch.
+    the skeleton: dense tensors travel as tensors and arrive on the receiver's device.
 
     .. note:: All ranks of the group must call it. Receivers' lists are
        replaced by the source's items (their length may differ).
@@ -289,13 +273,7 @@ def broadcast_tensor_dict(
 
 
 def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, what: str) -> None:
-    """Broadcast ``tensors`` (same shapes and dtypes on every rank) from ``src``, in place.
-
-    Both sides know the layout, so no header travels; staging and packing come
-    before one status, so their failure raises on every rank.
-
-    .. note:: All ranks of the group must call it.
-    """
+    """Broadcast ``tensors`` (of the same layout on every rank, so no header) from ``src``."""
     group.global_rank(src)
     is_src = group.rank_in_group == src
     fills: list[_payload.Fill] = []

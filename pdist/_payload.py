@@ -1,22 +1,11 @@
-"""The object wire format: prefix, header, skeleton, inline bytes; tensors in buckets.
+"""The object wire format: a body (prefix, JSON header, skeleton, inline bytes) and buckets.
 
-``encode`` pickles an object with its tensors set aside (``_serialize``).
-Tensors below ``min_tensor_bytes`` travel inline in the body; the others as
-raw bytes in buckets per transport kind (``"cpu"``: the CPU group;
-``"device"``: the device group, on the group's device), each bounded by
-``bucket_bytes`` (a larger tensor travels alone, uncopied). Receivers rebuild
-tensors as views of the received buckets, on the receiver's device.
-
-Body: ``[prefix][header][skeleton][inline blob]``. The prefix is a struct
-``(magic, header length, bucket count)``; the header is JSON ``{"s": skeleton
-length, "d": [dtype names], "b": [[kind, nbytes], ...], "t": [[dtype index,
-flags, bucket or -1 for inline, byte offset, [shape]], ...], "z": 1 when a
-status follows the buckets, "k": in how many parts each bucket travels}``.
-An object without tensors or storages travels as ``[lean magic][skeleton]``:
-no header to write or parse, which is most of a small broadcast's cost.
-Nothing before the skeleton is pickle, and every field a peer sends is
-checked before use (a malformed one raises :class:`~pdist.PdistError`). This
-module moves nothing and knows no process group.
+``encode`` pickles an object with its tensors set aside (``_serialize``); tensors
+below ``min_tensor_bytes`` travel inline in the body, the others as raw bytes in
+buckets per transport kind (:data:`KINDS`), each bounded by ``bucket_bytes``.
+Receivers rebuild tensors as views of the buckets, on their own device. An
+object without tensors travels as ``[lean magic][skeleton]``. Nothing before the
+skeleton is pickle, and every field a peer sends is checked before use.
 """
 
 from __future__ import annotations
@@ -52,14 +41,13 @@ __all__ = [
     "transport_device",
 ]
 
-KINDS = ("cpu", "device")
-"""Transport kinds: bytes over the CPU group, or over the device group on the group's device."""
+KINDS = ("cpu", "device")  # bytes over the CPU group, or the device group on its device
 
 GRAD, PARAM, DEVICE, STORAGE = 1, 2, 4, 8  # header flags
 _PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
 _MAGIC = b"pdP1"
 _LEAN = b"pdP0"  # a body of only a skeleton (no tensors): the magic, then the pickle
-_FIELDS = {"s", "d", "b", "t", "z", "k"}
+_FIELDS = {"s", "d", "b", "t", "z", "k"}  # skeleton length, dtypes, buckets, tensors, status, parts
 _MAX_DIMS = 64
 _JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps builds one per call
 _JSON_IN = json.JSONDecoder()  # json.loads detects the bytes' encoding in Python first
@@ -102,12 +90,7 @@ def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 @attrs.define
 class Fill:
-    """Tensors laid out in one bucket (at aligned byte offsets), packed on demand.
-
-    ``tensors`` are what is sent (on the transport's device, resolved);
-    ``targets`` the original tensors :meth:`unpack` writes into;
-    ``aliased[i]``: ``tensors[i]`` is ``targets[i]``'s own memory.
-    """
+    """Tensors (as sent) of ``targets`` at aligned offsets in one bucket, packed on demand."""
 
     kind: str
     device: torch.device
@@ -165,12 +148,8 @@ class Fill:
 def place(
     fills: list[Fill], t: torch.Tensor, device: torch.device, bucket_bytes: int
 ) -> tuple[int, int]:
-    """Put ``t`` into the open bucket of its transport: ``(bucket index, byte offset)``.
-
-    CPU tensors (and everything on a CPU group) go over the CPU group, others
-    over the device group, on ``device``; a tensor elsewhere travels as a copy.
-    """
-    alias = not (t.is_conj() or t.is_neg())
+    """Put ``t`` into the open bucket of its transport: ``(bucket index, byte offset)``."""
+    alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
     data = t if alias else resolved(t)
     kind = "cpu" if data.is_cpu or device.type == "cpu" else "device"
     if kind == "cpu" and not data.is_cpu:
@@ -211,11 +190,7 @@ def staging(
 
 @attrs.define
 class Encoded:
-    """A message body and the buckets that follow it (source side).
-
-    ``late_status``: a later bucket is packed (while the previous one is on the
-    wire), so a status of that packing follows the buckets.
-    """
+    """A message body and the buckets that follow it (``late_status``: a status follows them)."""
 
     body: bytes
     buckets: list[Bucket]
@@ -249,11 +224,7 @@ def encode(
     pad_to: int = 1,
     split: int = 1,
 ) -> Encoded:
-    """Encode ``obj`` for the group whose device is ``device``.
-
-    ``min_tensor_bytes=None`` sends every tensor inline. Buckets are padded to
-    a multiple of ``pad_to`` and travel in ``split`` parts.
-    """
+    """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``."""
     skeleton, entries = dumps(obj)
     if not entries:
         return Encoded(_LEAN + skeleton, [], [])
@@ -291,11 +262,7 @@ def _corrupt(source: str, detail: str) -> PdistError:
 
 
 def bucket_count(body: bytes, *, source: str = "a peer") -> int:
-    """How many buckets follow a message body (read from its fixed prefix only).
-
-    Raises:
-        PdistError: The body is not a pdist payload.
-    """
+    """How many buckets follow a message body (from its prefix; PdistError if none)."""
     if body[:4] == _LEAN:
         return 0
     if len(body) < _PREFIX.size:
@@ -307,11 +274,7 @@ def bucket_count(body: bytes, *, source: str = "a peer") -> int:
 
 
 class Decoded(NamedTuple):
-    """A parsed message body (receiver side), waiting for its buckets.
-
-    A NamedTuple, not a frozen attrs class: one is made per message received,
-    and its construction was a tenth of a small broadcast's receive.
-    """
+    """A parsed message body, waiting for its buckets (a NamedTuple: one is made per message)."""
 
     skeleton: bytes
     specs: list[TensorSpec]
@@ -365,7 +328,7 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
 
 
 def _record(
-    r: object, count: int, names: list[str], dtypes: list[torch.dtype], blob: int, source: str
+    r: object, count: int, dtypes: list[torch.dtype], blob: int, source: str
 ) -> tuple[TensorSpec, bool, tuple[int, int], int]:
     """``(spec, is a storage, (bucket, offset), end)`` of one tensor record, checked."""
     if type(r) is not list or len(r) != 5:
@@ -395,7 +358,7 @@ def _record(
     if bucket < 0 and offset + nbytes > blob:
         raise _corrupt(source, f"inline tensor {r!r:.120} past the end of the body")
     device = "device" if flags & DEVICE else "cpu"
-    spec = TensorSpec(names[code], tuple(shape), device, bool(flags & GRAD), bool(flags & PARAM))
+    spec = TensorSpec(dtype, tuple(shape), device, bool(flags & GRAD), bool(flags & PARAM))
     return spec, bool(flags & STORAGE), (bucket, offset), offset + nbytes
 
 
@@ -406,13 +369,12 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
     try:
         count = bucket_count(body, source=source)
         header, start = _header(body, count, source)
-        names = header["d"]
-        dtypes = [dtype_of(n) for n in names]
+        dtypes = [dtype_of(n) for n in header["d"]]
         buckets = [Bucket(b[0], b[1]) for b in header["b"]]
         blob = body[start + header["s"] :]
         specs, storage, places, ends = [], [], [], [-1] * count
         for r in header["t"]:
-            spec, is_storage, place, end = _record(r, count, names, dtypes, len(blob), source)
+            spec, is_storage, place, end = _record(r, count, dtypes, len(blob), source)
             if place[0] >= 0:
                 ends[place[0]] = max(ends[place[0]], end)
             specs.append(spec)
@@ -431,11 +393,7 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
 
 
 def receive_buffers(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
-    """Receive buffers for the buckets of ``decoded`` (one slab per transport).
-
-    Raises:
-        PdistError: They cannot be allocated (out of memory).
-    """
+    """Receive buffers for the buckets of ``decoded`` (one slab per transport)."""
     if not decoded.buckets:
         return []  # a small object: no torch call at all
     places = [(b.kind, transport_device(b.kind, device)) for b in decoded.buckets]
@@ -475,13 +433,14 @@ def tensors_of(
     together: dict[tuple[int, torch.dtype], list[int]] = {}
     for k, (spec, (index, offset)) in enumerate(zip(decoded.specs, decoded.places, strict=True)):
         if index >= 0:
-            together.setdefault((index, spec.torch_dtype), []).append(k)
+            together.setdefault((index, spec.dtype), []).append(k)
             continue
-        data = bytearray(decoded.blob[offset : offset + spec.nbytes])
-        raw = (
-            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        )
-        t = shaped(spec, raw if spec.torch_dtype == torch.uint8 else raw.view(spec.torch_dtype))
+        end = offset + math.prod(spec.shape) * spec.dtype.itemsize
+        if end > offset:
+            raw = torch.frombuffer(bytearray(decoded.blob[offset:end]), dtype=torch.uint8)
+        else:  # frombuffer refuses an empty buffer
+            raw = torch.empty(0, dtype=torch.uint8)
+        t = shaped(spec, raw if spec.dtype == torch.uint8 else raw.view(spec.dtype))
         tensors[k] = t.to(device) if spec.device_type != "cpu" and device.type != "cpu" else t
     for (index, dtype), members in together.items():
         members.sort(key=lambda k: decoded.places[k][1])

@@ -12,8 +12,7 @@ from typing import Any
 
 __all__ = ["MAX_DEPTH", "TooDeepError", "deeper_than", "loads"]
 
-MAX_DEPTH = 64
-"""How deeply a peer's JSON may nest (pdist's own records nest a few levels)."""
+MAX_DEPTH = 64  # how deeply a peer's JSON may nest (pdist's own records nest a few levels)
 
 
 class TooDeepError(ValueError):
@@ -32,17 +31,13 @@ def deeper_than(value: Any, depth: int) -> bool:
     return False
 
 
-def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
-    """``json.loads(data)``, refusing nesting deeper than ``max_depth``.
-
-    Raises:
-        ValueError: ``data`` is not JSON (:class:`TooDeepError` when it nests too deeply).
-    """
+def loads(data: bytes | str) -> Any:
+    """``json.loads(data)``, raising :class:`TooDeepError` past :data:`MAX_DEPTH` levels."""
     try:
         value = json.loads(data)
     except RecursionError:
         raise TooDeepError("JSON nested past the interpreter's recursion limit") from None
-    if deeper_than(value, max_depth):
-        msg = f"JSON nested deeper than {max_depth} levels"
+    if deeper_than(value, MAX_DEPTH):
+        msg = f"JSON nested deeper than {MAX_DEPTH} levels"
         raise TooDeepError(msg)
     return value

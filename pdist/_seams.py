@@ -1,12 +1,8 @@
-"""The few places where a test may inject a fault, kept on purpose (a leaf).
+"""The three places where a test may inject a fault (a leaf), through :func:`pdist.testing.inject`.
 
-Fail-together code is only as good as its tests of one rank failing half-way,
-so pdist keeps three seams, and only three, where such a failure can be put
-in from outside (through :func:`pdist.testing.inject`, documented in the
-testing guide): every staging or receive buffer is allocated through one
-function, every bucket is packed through one function, and every framed
-message leaves a rank through one function. Inside ``inject`` those call the
-test's hooks; outside it they cost one context-variable read.
+Fail-together code is only as good as its tests of one rank failing half-way:
+every buffer is allocated, every bucket packed and every framed message sent
+through one function here, which costs one context-variable read outside ``inject``.
 """
 
 from __future__ import annotations
@@ -21,14 +17,7 @@ __all__ = ["Faults", "active", "allocating", "outgoing", "packing"]
 
 @attrs.frozen(kw_only=True)
 class Faults:
-    """The hooks of one :func:`pdist.testing.inject` block (each optional).
-
-    Attributes:
-        allocate: Called with the size in bytes before each buffer is allocated;
-            what it raises is the allocation's failure.
-        pack: Called with the bucket's index before each bucket is packed.
-        outgoing: Returns the bytes to send in place of each framed message.
-    """
+    """The hooks of one :func:`pdist.testing.inject` block (each optional; see its docs)."""
 
     allocate: Callable[[int], object] | None = None
     pack: Callable[[int], object] | None = None

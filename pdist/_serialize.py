@@ -1,25 +1,19 @@
 """Pickling with dense tensors taken out, and unpickling through an optional allow-list.
 
-:func:`dumps` takes dense strided tensors (plain tensors and ``nn.Parameter``)
-out of the pickle into a side list, so that transports move them as tensors.
-Everything else is left to pickle (classes, cycles and sharing survive):
-sparse, quantized, nested and subclass tensors are pickled whole by torch, and
-the storages those reductions pickle are taken out too, as raw bytes. One
-tensor or storage referenced twice gets one id. Persistent ids are
-``("storage", i)`` (a dense tensor), ``("storage", "u", i)`` (an untyped
-storage) and ``("storage", "s", i, dtype)`` (a typed one); pickles use protocol
-2, the one torch's ``weights_only`` unpickler (``safe=True``) reads.
+:func:`dumps` takes dense strided tensors (plain tensors and ``nn.Parameter``) out
+of the pickle, so that transports move them as tensors; everything else is left to
+pickle (classes, cycles and sharing survive), and the storages that torch's own
+reductions of other tensors pickle are taken out too, as raw bytes. Pickles use
+protocol 2, the one torch's ``weights_only`` unpickler (``safe=True``) reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-import math
 import pickle
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +23,6 @@ from ._errors import PdistError, translated
 
 __all__ = [
     "PROTOCOL",
-    "Entry",
     "Safe",
     "TensorSpec",
     "dtype_name",
@@ -42,8 +35,7 @@ __all__ = [
 
 PROTOCOL = 2
 
-Safe = bool | Iterable[type]
-"""``safe=`` argument: False (plain pickle), True (allow-list), or extra classes to allow."""
+Safe = bool | Iterable[type]  # False (plain pickle), True (allow-list), or extra classes to allow
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -69,21 +61,11 @@ def dtype_of(name: object) -> torch.dtype:
 class TensorSpec(NamedTuple):
     """What a receiver needs to rebuild one tensor (not ``"cpu"``: on the receiver's device)."""
 
-    dtype: str
+    dtype: torch.dtype
     shape: tuple[int, ...]
     device_type: str
     requires_grad: bool
     is_param: bool
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The ``torch.dtype`` named by ``dtype``."""
-        return dtype_of(self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the tensor's data in bytes."""
-        return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
 def shaped(spec: TensorSpec, flat: torch.Tensor) -> torch.Tensor:
@@ -94,13 +76,6 @@ def shaped(spec: TensorSpec, flat: torch.Tensor) -> torch.Tensor:
     if spec.requires_grad:
         t.requires_grad_(True)
     return t
-
-
-class Entry(NamedTuple):
-    """What :func:`dumps` took out: a dense tensor, or a storage's bytes (a flat uint8 tensor)."""
-
-    tensor: torch.Tensor
-    is_storage: bool
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -120,7 +95,7 @@ class _Pickler(pickle.Pickler):
     # persistent_id runs for every object pickled: it is kept lean.
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=PROTOCOL)
-        self.entries: list[Entry] = []
+        self.entries: list[tuple[torch.Tensor, bool]] = []  # (tensor or storage bytes, storage?)
         self._tensors: dict[int, int] = {}  # id(tensor) -> entry index
         self._storages: dict[int, int] = {}  # storage _cdata -> entry index
         self._alive: list[object] = []  # keeps every keyed object alive, so its key stays unique
@@ -132,7 +107,7 @@ class _Pickler(pickle.Pickler):
             index = self._tensors.get(id(obj))
             if index is None:
                 index = self._tensors[id(obj)] = len(self.entries)
-                self.entries.append(Entry(obj, False))
+                self.entries.append((obj, False))
                 self._alive.append(obj)
             return ("storage", index)
         if isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
@@ -146,7 +121,7 @@ class _Pickler(pickle.Pickler):
         if index is None:
             index = self._storages[untyped._cdata] = len(self.entries)
             flat = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
-            self.entries.append(Entry(flat, True))
+            self.entries.append((flat, True))
             self._alive.append(untyped)
         return index
 
@@ -174,13 +149,8 @@ def _small_and_builtin(obj: Any) -> bool:
     return True
 
 
-def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
-    """Pickle ``obj`` with its dense tensors and storages set aside: the skeleton and those.
-
-    Raises:
-        TypeError: ``obj`` cannot be pickled (its message says why and what to do; also
-            an instance of the pickling error's own type).
-    """
+def dumps(obj: Any) -> tuple[bytes, list[tuple[torch.Tensor, bool]]]:
+    """The skeleton of ``obj`` and what it set aside; a TypeError if it cannot be pickled."""
     if _small_and_builtin(obj):
         # torch's pickler hook runs in Python for every object; a small config has no tensor.
         return pickle.dumps(obj, protocol=PROTOCOL), []
@@ -189,14 +159,11 @@ def dumps(obj: Any) -> tuple[bytes, list[Entry]]:
     try:
         pickler.dump(obj)
     except (pickle.PicklingError, AttributeError) as exc:
-        # "Can't pickle local object", "attribute lookup <lambda> failed": pickle refers to
-        # classes and functions by name, which the receiver must be able to import.
         msg = (
             f"cannot pickle the object: {exc}; objects travel as pickles, which name their "
             "classes and functions: define those at module level (not as lambdas or inside "
             "functions), or send plain data"
         )
-        # Still the pickling error's own type: code that catches it around torch catches it.
         raise translated(exc, TypeError, msg) from exc
     return buf.getvalue(), pickler.entries
 
@@ -231,48 +198,29 @@ def _persistent_loader(
         return found
 
     def load(pid: Any) -> Any:
-        if type(pid) is tuple and len(pid) == 2 and pid[0] == "storage":
-            index = pid[1]
-            if type(index) is int and 0 <= index < len(entries) and not storage[index]:
-                return entries[index]
-        elif type(pid) is tuple and len(pid) in (3, 4) and pid[0] == "storage":
-            kind, index = pid[1], pid[2]
+        if type(pid) is tuple and 2 <= len(pid) <= 4 and pid[0] == "storage":
+            index = pid[1] if len(pid) == 2 else pid[2]
             if type(index) is int and 0 <= index < len(entries):
-                if kind == "u" and len(pid) == 3 and storage[index]:
+                if len(pid) == 2 and not storage[index]:
+                    return entries[index]
+                if len(pid) == 3 and pid[1] == "u" and storage[index]:
                     return storage_of(index)
-                if kind == "s" and len(pid) == 4 and storage[index]:
+                if len(pid) == 4 and pid[1] == "s" and storage[index]:
                     return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
                         wrap_storage=storage_of(index), dtype=dtype_of(pid[3]), _internal=True
                     )
-        raise _unexpected(pid, len(entries))
+        msg = (
+            f"unexpected persistent id {pid!r:.120} in a received object "
+            f"({len(entries)} tensors and storages travelled with it)"
+        )
+        raise PdistError(msg)
 
     return load, untyped
 
 
-def _unexpected(pid: Any, travelled: int) -> PdistError:
-    msg = (
-        f"unexpected persistent id {pid!r:.120} in a received object "
-        f"({travelled} tensors and storages travelled with it)"
-    )
-    return PdistError(msg)
-
-
-def _no_entries(pid: Any) -> Any:
-    """The ``persistent_load`` of a skeleton that travelled alone (most small objects)."""
-    raise _unexpected(pid, 0)
-
-
-# Torch queues every sparse tensor it unpickles in one module-level list, to be validated
-# after loading; pdist validates the ones its own loads queued (a reentrant lock keeps
-# concurrent pdist loads from taking each other's).
+# Torch queues every sparse tensor it unpickles in one module-level list, to be validated after
+# loading; pdist validates those its own loads queued (the lock keeps concurrent loads apart).
 _SPARSE_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _quiet_storages() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
-        yield
 
 
 def loads(
@@ -282,15 +230,10 @@ def loads(
     *,
     safe: Safe = False,
 ) -> Any:
-    """Unpickle a skeleton from :func:`dumps`, substituting ``entries`` for its persistent ids.
+    """Unpickle a :func:`dumps` skeleton (``storage[i]``: entry ``i`` is a storage's bytes).
 
-    ``storage[i]``: entry ``i`` holds a storage's bytes (else a tensor).
-    With ``safe``, through torch's ``weights_only`` allow-list plus the classes
-    ``safe`` lists. Sparse tensors must satisfy their invariants and tensors
-    rebuilt from a storage must fit the bytes that travelled.
-
-    Raises:
-        PdistError: The object is refused or cannot be rebuilt (naming why).
+    With ``safe``, through torch's ``weights_only`` allow-list plus the classes ``safe`` lists; a
+    :class:`~pdist.PdistError` says why the object is refused or cannot be rebuilt.
     """
     persistent_load, storages = _persistent_loader(entries, storage) if entries else (None, {})
     with _SPARSE_LOCK:
@@ -322,9 +265,9 @@ def loads(
 
 def _load(data: bytes, persistent_load: Any, safe: Safe, *, quiet: bool) -> Any:
     if quiet:
-        # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates
-        # loudly; only storages travel with such tensors (the filter costs a tiny load).
-        with _quiet_storages():
+        # Rebuilding a whole-pickled tensor reads a TypedStorage, which torch deprecates loudly.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
             return _load(data, persistent_load, safe, quiet=False)
     try:
         if safe is False and persistent_load is None:
@@ -334,7 +277,7 @@ def _load(data: bytes, persistent_load: Any, safe: Safe, *, quiet: bool) -> Any:
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             return unpickler.load()
         extra: list[Any] = [] if safe is True else list(safe)
-        return _compat.safe_load(data, persistent_load or _no_entries, extra)
+        return _compat.safe_load(data, persistent_load or _persistent_loader([], [])[0], extra)
     except PdistError:
         raise
     except pickle.UnpicklingError as exc:

@@ -2,11 +2,9 @@
 
 A message is a header (status, body length) and a body: a payload, or an error
 marker (``_errors``) on which every receiver raises the same error. It travels
-as a fixed-size first chunk plus, only when longer, the rest, so small messages
-take one collective. Before a rest of :data:`STATUS_MIN_BYTES` or more every
-receiver reports (``_agree``) whether it could allocate it, so that one out of
-memory makes every rank raise instead of leaving the sender waiting. Nothing
-here is unpickled; :func:`exchange` records are JSON.
+as a fixed-size first chunk plus, only when longer, the rest; before a rest of
+:data:`STATUS_MIN_BYTES` or more every receiver reports whether it could allocate
+it, so that one out of memory makes every rank raise instead of leaving the sender waiting.
 """
 
 from __future__ import annotations
@@ -38,14 +36,8 @@ __all__ = [
     "unframe",
 ]
 
-FIRST_MESSAGE_BYTES = 4096
-"""Size of the fixed first chunk of a message: smaller messages take one collective."""
-
-STATUS_MIN_BYTES = 1 << 20
-"""A message's rest of this size or more moves only after every receiver has allocated it.
-
-Below it an allocation cannot realistically fail, and the status step would cost more.
-"""
+FIRST_MESSAGE_BYTES = 4096  # the fixed first chunk of a message: smaller ones take one collective
+STATUS_MIN_BYTES = 1 << 20  # a rest this large moves only once every receiver has allocated it
 
 Move = Callable[[torch.Tensor], object]
 Report = Callable[[BaseException | None], object]
@@ -77,43 +69,30 @@ def unframe(data: bytes, group: Group, what: str, own: BaseException | None = No
     return body
 
 
-def _chunks(
-    message: bytes, rank: int, what: str
-) -> tuple[list[torch.Tensor], BaseException | None]:
-    """The first chunk of ``message`` and, when longer, the rest, allocated before anything moves.
-
-    When they cannot be allocated, the first chunk of an error marker instead,
-    and the error, which the sender raises after sending it.
-    """
-    size = FIRST_MESSAGE_BYTES
-    first = filled(message[:size], size, what=None)
-    try:
-        return [first, *([filled(message[size:], what=what)] if len(message) > size else [])], None
-    except Exception as exc:
-        marker = encode_marker(rank, exc)[: size - HEADER.size]  # the first chunk alone
-        message = _seams.outgoing(HEADER.pack(ERROR, len(marker)) + marker)
-        return [filled(message[:size], size, what=None)], exc
-
-
 def _send(
     message: bytes, group: Group, move: Move, status: Callable[[], object], what: str
 ) -> None:
-    chunks, failure = _chunks(message, group.rank, what)
-    move(chunks[0])
-    if len(chunks) > 1:
-        if chunks[1].numel() >= STATUS_MIN_BYTES:
+    """Send ``message``; when its rest cannot be allocated, an error marker, then raise."""
+    size = FIRST_MESSAGE_BYTES
+    first, rest, failure = filled(message[:size], size, what=None), None, None
+    if len(message) > size:
+        try:
+            rest = filled(message[size:], what=what)
+        except Exception as exc:
+            marker = encode_marker(group.rank, exc)[: size - HEADER.size]  # the first chunk alone
+            message = _seams.outgoing(HEADER.pack(ERROR, len(marker)) + marker)
+            first, failure = filled(message[:size], size, what=None), exc
+    move(first)
+    if rest is not None:
+        if rest.numel() >= STATUS_MIN_BYTES:
             status()
-        move(chunks[1])
+        move(rest)
     if failure is not None:
         _agree.raise_own(group, failure, what, wrap_pdist=True)
 
 
 def reserve(make: Callable[[], T], nbytes: int, report: Report) -> T:
-    """``make()`` (an allocation); from :data:`STATUS_MIN_BYTES` on, after ``report``.
-
-    ``report`` tells the peers whether this rank could allocate (and raises on
-    every rank when one could not); below the threshold a failure raises here.
-    """
+    """``make()`` (an allocation); from :data:`STATUS_MIN_BYTES` on, ``report`` tells the peers."""
     made: T | None = None
     failure: PdistError | None = None
     try:
@@ -144,10 +123,7 @@ def _receive(group: Group, move: Move, report: Report, what: str) -> bytes:
 def broadcast_bytes(
     group: Group, payload: bytes | None, src: int, *, error: BaseException | None = None, what: str
 ) -> bytes:
-    """Broadcast ``payload`` (or the source's ``error``) from group index ``src`` to every rank.
-
-    .. note:: All ranks of the group must call it.
-    """
+    """Broadcast ``payload`` (or the source's ``error``) from group index ``src`` to every rank."""
     move = functools.partial(dist.broadcast, src=group.global_rank(src), group=group.cpu_group)
     if group.rank_in_group == src:
         message = frame(payload, error, group.rank)
@@ -182,18 +158,11 @@ def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
 def all_gather_bytes(
     group: Group, payload: bytes | None, *, error: BaseException | None = None, what: str
 ) -> list[bytes]:
-    """Every rank's ``payload`` in group order; one collective when each fits the first chunk.
-
-    A rank that passes ``error`` (or cannot allocate) makes every rank raise
-    the same error, naming the lowest failing rank.
-
-    .. note:: All ranks of the group must call it.
-    """
+    """Every rank's ``payload`` in group order; a rank's ``error`` raises on every rank."""
     message = frame(payload, error, group.rank)
     size, pg = FIRST_MESSAGE_BYTES, group.cpu_group
     firsts = [torch.empty(size, dtype=torch.uint8) for _ in group.ranks]
-    chunks, failure = _chunks(message[:size], group.rank, what)
-    dist.all_gather(firsts, chunks[0], group=pg)
+    dist.all_gather(firsts, filled(message[:size], size, what=None), group=pg)
     lengths = [HEADER.size + HEADER.unpack(bytes_of(f, HEADER.size))[1] for f in firsts]
     rest = max(lengths) - size
     rests: list[torch.Tensor] = []
@@ -212,34 +181,24 @@ def all_gather_bytes(
         bytes_of(f, min(n, size)) + (bytes_of(rests[r], n - size) if n > size else b"")
         for r, (f, n) in enumerate(zip(firsts, lengths, strict=True))
     ]
-    own = error or failure
     for m in sorted(messages, key=lambda m: m[:1] == bytes([OK])):  # failures first
-        unframe(m, group, what, own=own)
+        unframe(m, group, what, own=error)
     return [m[HEADER.size :] for m in messages]
 
 
 def exchange(
     group: Group, record: Any, *, error: BaseException | None = None, what: str
 ) -> list[Any]:
-    """All-gather a small plain-data ``record`` from every rank, as JSON (never pickle).
-
-    ``record`` holds only what JSON carries; tuples arrive as lists. A rank
-    whose record cannot be encoded, or that passes ``error``, makes every rank
-    raise the same error; a record that does not decode raises
-    :class:`~pdist.PdistError` on the receiver.
-
-    .. note:: All ranks of the group must call it.
-    """
+    """Every rank's small plain-data ``record``, as JSON; a rank's ``error`` raises on all."""
     payload: bytes | None = None
     if error is None:
         try:
             payload = json.dumps(record, separators=(",", ":")).encode()
         except (TypeError, ValueError) as exc:
             error = exc
+    gathered = all_gather_bytes(group, payload, error=error, what=what)
     out = []
-    for rank, data in zip(
-        group.ranks, all_gather_bytes(group, payload, error=error, what=what), strict=True
-    ):
+    for rank, data in zip(group.ranks, gathered, strict=True):
         try:
             out.append(_plain.loads(data))
         except (UnicodeDecodeError, ValueError):
