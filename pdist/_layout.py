@@ -73,7 +73,6 @@ class Layout:
         return (d * self.sp + s) * self.tp + t
 
     def _stride(self, axis: str) -> int:
-        """The rank distance between neighbours of an ``axis`` group."""
         return {"tp": 1, "sp": self.tp, "dp": self.sp * self.tp, "dp_sp": self.tp}[axis]
 
     def group_of(self, axis: str, rank: int) -> Ranks:

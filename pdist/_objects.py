@@ -98,7 +98,6 @@ def _broadcasts(
     buckets: Sequence[_payload.Bucket | _payload.Fill],
     data: Sequence[torch.Tensor],
 ) -> list[Any]:
-    """One asynchronous broadcast per bucket, each over its transport."""
     return [
         dist.broadcast(flat, src=group.ranks[src], group=group.transport(b.kind), async_op=True)
         for b, flat in zip(buckets, data, strict=True)

@@ -5,7 +5,7 @@ below ``min_tensor_bytes`` travel inline in the body, the others as raw bytes in
 buckets per transport kind (:data:`KINDS`), each bounded by ``bucket_bytes``.
 Receivers rebuild tensors as views of the buckets, on their own device. An
 object without tensors travels as ``[lean magic][skeleton]``. Nothing before the
-skeleton is pickle, and every field a peer sends is checked before use.
+skeleton is pickle, every field a peer sends is checked, and nothing here moves data.
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ def transport_device(kind: str, device: torch.device) -> torch.device:
 
 
 def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``flat`` (uint8, aligned) seen as a tensor of ``t``'s dtype and shape."""
     return (flat if t.dtype == torch.uint8 else flat.view(t.dtype)).view(t.shape)
 
 
@@ -301,9 +300,7 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
         header, end = _JSON_IN.raw_decode(text)
         if end != len(text):
             raise ValueError(text)
-    except RecursionError:
-        raise _corrupt(source, "the header nests too deeply") from None
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError):  # a RecursionError is caught by ``decode``
         raise _corrupt(source, "the header is not JSON") from None
     if not isinstance(header, dict) or set(header) != _FIELDS:
         # Checked here, not on every header: the fields' own checks refuse deeper nesting.
