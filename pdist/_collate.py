@@ -332,18 +332,17 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
         ValueError: On a one-rank group, when ``batches`` is malformed.
     """
     g = as_group(group)
-    try:
-        local, error = _local(batches, g.device), None
-    except Exception as exc:
-        local, error = _NO_BATCHES, exc
     if g.world_size == 1:
-        if error is not None:
-            raise error
+        local = _local(batches, g.device)
         if local.spec is None:
             return None
         with torch.no_grad():
             leaves = (c[0].detach() if len(c) == 1 else torch.cat(c) for c in local.columns)
             return _unflatten(local.spec, leaves)
+    try:
+        local, error = _local(batches, g.device), None
+    except Exception as exc:
+        local, error = _NO_BATCHES, exc
     agreed = _agreed(g, local, error)
     if agreed is None:
         return None
@@ -399,10 +398,7 @@ def _transport(leaf: _Leaf) -> str:
 
 
 def _reserve(g: Group, leaves: list[_Leaf], rows: int) -> _Memory:
-    """Memory per transport for any plan of ``leaves``, up to ``rows`` rows per rank.
-
-    Reserved before anything moves, so that a rank out of memory tells the others.
-    """
+    """Memory per transport for ``rows`` rows per rank, reserved before anything moves."""
     per_row: dict[str, int] = collections.Counter()
     for leaf in leaves:  # with room for each leaf's and each gather's alignment gap
         per_row[_transport(leaf)] += leaf.nbytes + _COLUMN

@@ -255,7 +255,7 @@ def _in_place(
             _closed(group, x, list(x.shape)) if group.is_closed else traced(group, x, *args)
         )
     buf = _launches.local(x)
-    target = buf if buf.is_contiguous() else buf.contiguous()
+    target = buf.contiguous()  # buf itself if contiguous
     with torch.no_grad():
         _eager(group, target, launch, args, False, what=launch.__name__)
         if target is not buf:
