@@ -1,20 +1,9 @@
 """Evaluation: a sampler without padding and a collation back into dataset order.
 
-``collate_batches`` takes one metadata round trip when every rank has batches:
-
-1. Each rank checks its batches and reserves the memory of its gathers (for
-   its count + 1 rows: EvalSampler's counts differ by at most one), then
-   all-gathers one framed message (``_wire``; one collective up to 4 KiB):
-   its sample count and metadata record (structure; per leaf the dtype,
-   trailing shape and device type; JSON), or the marker of what failed.
-2. Records byte-equal to this rank's are not parsed; records that differ are,
-   on every rank, for the message. A rank without batches takes the common
-   record and reserves its memory then, behind one ``_agree.status``.
-3. At most three all-gathers per transport carry the leaves as raw bytes,
-   straight into dataset order (:func:`_gather`).
-
-Measured and left out: /dev/shm segments on one host (tmpfs pages cost more
-than the gloo transfer they replace), packing while the metadata is in flight.
+``collate_batches`` reserves the memory of its gathers, then all-gathers every
+rank's sample count and metadata record (JSON), or the marker of what failed: one
+round trip when every rank has batches. At most three all-gathers per transport
+then carry the leaves as raw bytes, straight into dataset order.
 """
 
 from __future__ import annotations
@@ -44,11 +33,8 @@ __all__ = ["EvalSampler", "collate_batches"]
 class EvalSampler(Sampler[int]):
     """Give rank ``r`` of ``group`` the indices ``r, r + W, r + 2W, ...`` (``W`` = group size).
 
-    Unlike ``torch.utils.data.DistributedSampler`` it never pads with
-    duplicates, so metrics computed over the gathered outputs are exact:
-    every index appears exactly once across the ranks, and ranks beyond the
-    dataset's size get no index at all. :func:`collate_batches` undoes the
-    striding.
+    Unlike ``torch.utils.data.DistributedSampler`` it never pads with duplicates, so
+    metrics over the outputs :func:`collate_batches` gathers are exact.
 
     Args:
         dataset: Anything with a ``len()``.
@@ -57,38 +43,33 @@ class EvalSampler(Sampler[int]):
 
     def __init__(self, dataset: Sized, group: Group | DistContext) -> None:
         g = as_group(group)
-        self._size = len(dataset)
-        self._rank = g.rank_in_group
-        self._world = g.world_size
+        self._indices = range(g.rank_in_group, len(dataset), g.world_size)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self._rank, self._size, self._world))
+        return iter(self._indices)
 
     def __len__(self) -> int:
-        return len(range(self._rank, self._size, self._world))
+        return len(self._indices)
 
-
-# --------------------------------------------------------------------------- this rank's batches
 
 Spec = Any  # "T" for a tensor leaf, or (kind, keys, children)
 _WHAT = "collate_batches"
 
 
 class _Leaf(NamedTuple):
-    """What every rank agreed on about one leaf: its dtype, trailing shape and device type."""
+    """What every rank agreed on about one leaf."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     device_type: str
 
     @property
-    def nbytes(self) -> int:
-        """Bytes per sample."""
+    def nbytes(self) -> int:  # per sample
         return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _Local(NamedTuple):
-    """This rank's batches, checked: leaf by leaf (columns), and their metadata."""
+    """This rank's batches, checked: leaf by leaf (columns)."""
 
     spec: Spec  # None: no batches
     columns: list[list[torch.Tensor]]
@@ -181,7 +162,6 @@ def _leaf_problem(t: torch.Tensor, device: torch.device) -> str | None:
 
 
 def _local(batches: Any, device: torch.device) -> _Local:
-    """This rank's batches, checked; raises ValueError/TypeError on bad input."""
     if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
         got = "None" if batches is None else f"a {type(batches).__name__}"
         msg = (
@@ -213,11 +193,7 @@ def _local(batches: Any, device: torch.device) -> _Local:
 
 
 def _alike(leaves: list[torch.Tensor], like: list[tuple[Any, ...]]) -> bool:
-    """Whether a batch's leaves are plainly like batch 0's (``like``: see :func:`_local`).
-
-    A few cheap checks per leaf, since evaluation loops pass hundreds of them;
-    what these cannot tell, :func:`_check_batch` looks at closely.
-    """
+    """A few cheap checks that a batch's leaves are like batch 0's (else :func:`_check_batch`)."""
     count = -1
     for t, (kind, dtype, layout, cpu, device, shape) in zip(leaves, like, strict=True):
         if (
@@ -242,7 +218,6 @@ def _check_batch(
     firsts: list[torch.Tensor],
     device: torch.device,
 ) -> None:
-    """Check batch ``i``'s leaves, each against batch 0's; the sample dimension comes first."""
     if any(t.dim() == 0 for t in leaves):
         msg = f"batch {i} has a 0-d tensor; the sample dimension comes first"
         raise ValueError(msg)
@@ -269,8 +244,6 @@ def _check_batch(
             raise ValueError(msg)
 
 
-# --------------------------------------------------------------------------- agreement
-
 _COUNT = struct.Struct("<q")  # a message: this rank's sample count, then its record
 _NONE = b"null"  # the record of a rank without batches
 _FIELDS = ("dtype", "trailing shape", "device type")
@@ -282,11 +255,7 @@ def _tuples(value: Any) -> Any:
 
 
 def _parse(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], Any]:
-    """The structure, the leaf names and the leaves' metadata in ``rank``'s ``record``.
-
-    Raises:
-        PdistError: The record is not one that pdist sends.
-    """
+    """The structure, the leaf names and the leaves' metadata in ``rank``'s ``record``."""
     try:
         spec, leaves = _tuples(_plain.loads(record))
         named: list[tuple[str, torch.Tensor]] = []
@@ -340,20 +309,17 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     """Gather every rank's evaluation outputs, in dataset order, on every rank.
 
     ``batches`` is this rank's list of per-batch outputs (a tensor, or nested
-    dicts/lists/tuples of tensors, with the sample dimension first), produced
-    from an :class:`EvalSampler` over ``group``. Every rank gets the outputs of
-    the whole dataset in the original index order, as one tensor or the same
-    nested structure. A rank with no samples passes an empty list and still
-    gets the full result. Leaves are dense tensors on the CPU or on the
-    group's device; dict keys are str, int, float, bool, None or tuples of
-    them.
+    dicts/lists/tuples of tensors, sample dimension first) from an
+    :class:`EvalSampler` over ``group``; a rank with no samples passes ``[]``.
+    Leaves are dense tensors on the CPU or on the group's device; dict keys are
+    str, int, float, bool, None or tuples of them.
 
     .. note:: All ranks of the group must call it. Whatever goes wrong on one
-       rank (bad ``batches``, a leaf on another device, a sparse leaf, memory
-       for the result) raises on every rank, naming that rank.
+       rank raises on every rank, naming that rank.
 
     Returns:
-        The collated outputs; None when no rank has any batch.
+        On every rank, the whole dataset's outputs in index order, as one tensor
+        or the same nested structure; None when no rank has any batch.
 
     Raises:
         RankMismatchError: On every rank, when ranks disagree about the keys,
@@ -361,24 +327,22 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
             counts that EvalSampler cannot produce.
         PdistError: On every rank, when some rank's own ``batches`` are
             malformed or it cannot allocate its buffers: a ``RemoteError``
-            whose message names the rank and says what to change (that rank's
-            own error is its cause there).
+            naming the rank (that rank's own error is its cause there).
         TypeError: On a one-rank group, when ``batches`` is not a list.
         ValueError: On a one-rank group, when ``batches`` is malformed.
     """
     g = as_group(group)
-    try:
-        local, error = _local(batches, g.device), None
-    except Exception as exc:
-        local, error = _NO_BATCHES, exc
     if g.world_size == 1:
-        if error is not None:
-            raise error
+        local = _local(batches, g.device)
         if local.spec is None:
             return None
         with torch.no_grad():
             leaves = (c[0].detach() if len(c) == 1 else torch.cat(c) for c in local.columns)
             return _unflatten(local.spec, leaves)
+    try:
+        local, error = _local(batches, g.device), None
+    except Exception as exc:
+        local, error = _NO_BATCHES, exc
     agreed = _agreed(g, local, error)
     if agreed is None:
         return None
@@ -391,15 +355,9 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
 def _agreed(
     g: Group, local: _Local, error: BaseException | None
 ) -> tuple[_Local, _Memory, list[int]] | None:
-    """The leaves every rank agreed on, this rank's memory for them, and the counts.
-
-    A rank without batches gets the common record's leaves. None when no rank
-    has batches.
-
-    .. note:: All ranks of the group must call it, with this rank's failure as ``error``.
-    """
+    """The leaves every rank agreed on, this rank's memory for them, and the counts (or None)."""
     memory: _Memory = {}
-    if error is None and local.spec is not None:
+    if local.spec is not None:  # else no batches, or error
         try:
             memory = _reserve(g, local.leaves, local.samples + 1)
         except PdistError as exc:
@@ -428,9 +386,6 @@ def _agreed(
     return local, memory, counts
 
 
-# --------------------------------------------------------------------------- gathers
-
-
 _Memory = dict[str, torch.Tensor]  # per transport: where its gathers land
 _OWN_GATHER_MIN_BYTES = 256 << 10
 _PIPELINE_MIN_BYTES = 1 << 20
@@ -443,11 +398,7 @@ def _transport(leaf: _Leaf) -> str:
 
 
 def _reserve(g: Group, leaves: list[_Leaf], rows: int) -> _Memory:
-    """Memory per transport for any plan of ``leaves``, up to ``rows`` rows per rank.
-
-    Reserved before anything moves, so that a rank out of memory says so to
-    the others instead of leaving them in a gather.
-    """
+    """Memory per transport for ``rows`` rows per rank, reserved before anything moves."""
     per_row: dict[str, int] = collections.Counter()
     for leaf in leaves:  # with room for each leaf's and each gather's alignment gap
         per_row[_transport(leaf)] += leaf.nbytes + _COLUMN
@@ -471,16 +422,12 @@ class _Call(NamedTuple):
     total: int
 
 
-Finish = Callable[[], list[tuple[int, torch.Tensor]]]  # waits; (leaf index, leaf) pairs
-
-
 def _plan(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[list[int]]:
     """Split one transport's leaves into runs of one gather each (at most three).
 
-    The (at most two) largest groups of leaves of equal row bytes, from
-    ``_OWN_GATHER_MIN_BYTES`` gathered, get a gather of their own; the other
-    leaves share one, so the number of collectives stays bounded. A lone large
-    group is split in two: packing the second half overlaps the first's transfer.
+    The (at most two) largest groups of leaves of equal row bytes, if large, get a
+    gather of their own, the rest share one; a lone large group is split in two, so
+    that packing the second half overlaps the first's transfer.
     """
 
     def nbytes(run: list[int]) -> int:
@@ -498,11 +445,9 @@ def _plan(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[lis
 
 
 def _layout(specs: list[_Leaf], run: list[int]) -> tuple[int, int, list[tuple[int, int]]]:
-    """How ``run`` travels: ``blocks`` of ``[rows, width]`` bytes, and each leaf's place.
+    """How ``run`` travels: ``blocks`` of ``[rows, width]`` bytes, each leaf's (block, offset).
 
-    A place is a block and a byte offset in its rows. Leaves of equal row
-    bytes take a block each, and come back as contiguous slices; others share
-    one block, side by side in each row.
+    Leaves of equal row bytes take a block each; others share one, side by side.
     """
     widths = [specs[i].nbytes for i in run]
     if len(set(widths)) == 1:
@@ -517,8 +462,7 @@ def _layout(specs: list[_Leaf], run: list[int]) -> tuple[int, int, list[tuple[in
 def _pack(call: _Call, run: list[int], mine: torch.Tensor) -> None:
     """This rank's batches of each leaf of ``run``, placed in ``mine`` as :func:`_layout` says.
 
-    The bytes no sample fills (padding rows, gaps between leaves) are zeroed:
-    what goes on the wire never carries leftover process memory to the peers.
+    The bytes no sample fills are zeroed: the wire never carries stale process memory.
     """
     blocks, width, places = _layout(call.specs, run)
     grid = mine.view(blocks, call.rows, width)
@@ -533,14 +477,12 @@ def _pack(call: _Call, run: list[int], mine: torch.Tensor) -> None:
 
 def _gather(
     call: _Call, pg: dist.ProcessGroup, cpu: bool, run: list[int], gathered: torch.Tensor
-) -> Finish:
-    """Pack and start the gather of ``run``; its leaves come back in dataset order.
+) -> Callable[[], list[tuple[int, torch.Tensor]]]:
+    """Pack and start the gather of ``run``; ``finish()`` gives ``(leaf index, leaf)`` pairs.
 
-    Every rank sends ``[blocks, rows, width]`` bytes (:func:`_layout`). Rank
-    ``j``'s row ``r`` is dataset index ``r * W + j``, so in a ``[blocks, rows,
-    W, width]`` buffer the rows are in dataset order: on the CPU group rank
-    ``j``'s part lands straight in the strided view ``[:, :, j]`` (gloo copies
-    out of its own staging buffer); a device interleaves with one copy.
+    Rank ``j``'s row ``r`` is dataset index ``r * W + j``: in a ``[blocks, rows,
+    W, width]`` buffer the rows are in dataset order. gloo writes rank ``j``'s
+    part straight into the view ``[:, :, j]``; a device interleaves with one copy.
     """
     world, rows = call.world, call.rows
     blocks, width, places = _layout(call.specs, run)
@@ -586,9 +528,10 @@ def _gather_leaves(g: Group, call: _Call, memory: _Memory) -> list[torch.Tensor]
         used = 0
         for run in _plan(call.specs, leaves, call.rows * call.world):
             blocks, width, _ = _layout(call.specs, run)
-            start, used = used, aligned(used + blocks * call.rows * call.world * width)
+            size = blocks * call.rows * call.world * width
+            start, used = used, aligned(used + size)
+            region = memory[kind][start : start + size]
             # Each gather starts once packed, so that packing the next overlaps its transfer.
-            region = memory[kind][start : start + blocks * call.rows * call.world * width]
             finishes.append(_gather(call, g.transport(kind), kind == "cpu", run, region))
     for finish in finishes:
         gathered.update(finish())

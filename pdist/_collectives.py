@@ -1,13 +1,9 @@
 """Tensor collectives on a Group: one runner over a table of specs.
 
 Each out-of-place collective is a :class:`_Spec` in ``_SPECS``, and
-:func:`_collective` runs every one the same way: check the arguments; on a
-one-rank group return ``x``; while tracing a closed group, stand in the op that
-raises pdist's error when the graph runs; where a gradient is wanted, go
-through one autograd Function (the gradient goes through the spec the backward
-names); then the traced form or the eager launch (``_launches``).
-:func:`generic_path` (the seam tests use; production never calls it) runs the
-backend-independent paths on any group.
+:func:`_collective` runs every one the same way: check the arguments, return
+``x`` on a one-rank group, go through one autograd Function where a gradient is
+wanted, then run the traced form or the eager launch (``_launches``).
 """
 
 from __future__ import annotations
@@ -18,28 +14,10 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
+from . import _launches
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
-from ._launches import (
-    GENERIC,
-    OPS,
-    Launched,
-    all_reduce_into,
-    broadcast_into,
-    exchanged,
-    launch_all_gather,
-    launch_all_to_all,
-    launch_reduce_scatter,
-    local,
-    resized,
-    result,
-    traced_all_gather,
-    traced_all_reduce,
-    traced_all_to_all,
-    traced_broadcast,
-    traced_reduce_scatter,
-)
 
 __all__ = [
     "all_gather",
@@ -86,9 +64,6 @@ _LIB.impl("closed_group", _closed_group_kernel, "CompositeExplicitAutograd")
 torch.library.register_fake("pdist::closed_group", _closed_group_fake, lib=_LIB)
 
 
-# --------------------------------------------------------------------------- checks
-
-
 def _check_tensor(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         msg = f"x must be a torch.Tensor, got {type(x).__name__}"
@@ -96,7 +71,7 @@ def _check_tensor(x: object) -> torch.Tensor:
     return x
 
 
-def _check_op(x: torch.Tensor, op: str, allowed: tuple[str, ...] = tuple(OPS)) -> str:
+def _check_op(x: torch.Tensor, op: str, allowed: tuple[str, ...] = tuple(_launches.OPS)) -> str:
     if op not in allowed:
         msg = f"op={op!r} is not one of {allowed}"
         raise ValueError(msg)
@@ -117,7 +92,6 @@ def _norm_dim(x: torch.Tensor, dim: int, name: str = "dim") -> int:
 
 
 def _split_dim(group: Group, x: torch.Tensor, dim: int, what: str) -> int:
-    """``dim`` normalized, checked to be one the group size divides."""
     d = _norm_dim(x, dim)
     if x.shape[d] % group.world_size:
         msg = (
@@ -149,21 +123,16 @@ def _refuse_grad(group: Group, x: torch.Tensor, name: str, use: str) -> None:
         raise ValueError(msg)
 
 
-# --------------------------------------------------------------------------- the table
-
-
 class _Spec(NamedTuple):
-    """One collective; ``launch``, ``traced`` and ``shape`` take ``(group, x, *args)``.
+    """One collective: ``check(group, x, *options)`` returns the normalized ``args``.
 
-    ``check(group, x, *options)`` validates the public options and returns the
-    normalized ``args``; ``launch`` is the eager form (None: a local op, whose
-    traced form runs eagerly too); ``shape`` is the result's, for the
-    closed-group op; ``backward(*args)`` names the gradient's ``(spec, args, divide by
-    P)``, or is None where ``args`` are not differentiable.
+    ``launch`` (None: a local op), ``traced`` and ``shape`` (the result's, for
+    the closed-group op) take ``(group, x, *args)``; ``backward(*args)`` names
+    the gradient's ``(spec, args, divide by P)``, or None if not differentiable.
     """
 
     check: Callable[..., tuple[Any, ...]]
-    launch: Callable[..., Launched] | None
+    launch: Callable[..., _launches.Launched] | None
     traced: Callable[..., torch.Tensor]
     shape: Callable[..., list[int]]
     backward: Callable[..., tuple[str, tuple[Any, ...], bool] | None]
@@ -172,45 +141,43 @@ class _Spec(NamedTuple):
 _SPECS: dict[str, _Spec] = {
     "all_reduce": _Spec(
         check=lambda g, x, op: (_check_op(x, op),),
-        launch=lambda g, x, op: all_reduce_into(
+        launch=lambda g, x, op: _launches.all_reduce_into(
             g, x.clone(memory_format=torch.contiguous_format), op
         ),
-        traced=traced_all_reduce,
+        traced=_launches.traced_all_reduce,
         shape=lambda g, x, op: list(x.shape),
         # The gradient of a mean is the mean of the gradients.
         backward=lambda op: ("all_reduce", (op,), False) if op in _GRAD_OPS else None,
     ),
     "all_gather": _Spec(
         check=lambda g, x, dim: (_norm_dim(x, dim),),
-        launch=launch_all_gather,
-        traced=traced_all_gather,
-        shape=lambda g, x, d: resized(x, d, x.shape[d] * g.world_size),
+        launch=_launches.launch_all_gather,
+        traced=_launches.traced_all_gather,
+        shape=lambda g, x, d: _launches.resized(x, d, x.shape[d] * g.world_size),
         backward=lambda d: ("reduce_scatter", ("sum", d), False),
     ),
     "reduce_scatter": _Spec(
         check=lambda g, x, op, dim: (_check_op(x, op), _split_dim(g, x, dim, "reduce_scatter")),
-        launch=launch_reduce_scatter,
-        traced=traced_reduce_scatter,
-        shape=lambda g, x, op, d: resized(x, d, x.shape[d] // g.world_size),
+        launch=_launches.launch_reduce_scatter,
+        traced=_launches.traced_reduce_scatter,
+        shape=lambda g, x, op, d: _launches.resized(x, d, x.shape[d] // g.world_size),
         backward=lambda op, d: ("all_gather", (d,), op == "mean") if op in _GRAD_OPS else None,
     ),
     "all_to_all_4d": _Spec(
         check=_check_all_to_all,
-        launch=launch_all_to_all,
-        traced=traced_all_to_all,
-        shape=exchanged,
+        launch=_launches.launch_all_to_all,
+        traced=_launches.traced_all_to_all,
+        shape=_launches.exchanged,
         backward=lambda s, d: ("all_to_all_4d", (d, s), False),
     ),
     "shard": _Spec(
         check=lambda g, x, dim, scale: (_split_dim(g, x, dim, "shard"), bool(scale)),
         launch=None,
         traced=lambda g, x, d, scale: x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous(),
-        shape=lambda g, x, d, scale: resized(x, d, x.shape[d] // g.world_size),
+        shape=lambda g, x, d, scale: _launches.resized(x, d, x.shape[d] // g.world_size),
         backward=lambda d, scale: ("all_gather", (d,), scale),
     ),
 }
-
-# --------------------------------------------------------------------------- the runners
 
 
 def _closed(group: Group, x: torch.Tensor, shape: list[int]) -> torch.Tensor:
@@ -223,26 +190,25 @@ def _forward(
     spec = _SPECS[name]
     if spec.launch is None or torch.compiler.is_compiling():
         return spec.traced(g, x, *args)
-    return _eager(g, local(x), spec.launch, args, async_op, what=name)
+    return _eager(g, _launches.local(x), spec.launch, args, async_op, what=name)
 
 
 @recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
 def _eager(
     g: Group,
     x: torch.Tensor,
-    launch: Callable[..., Launched],
+    launch: Callable[..., _launches.Launched],
     args: tuple[Any, ...],
     async_op: bool,
     *,
     what: str,
 ) -> torch.Tensor:
-    return result(launch(g, x, *args), async_op)
+    return _launches.result(launch(g, x, *args), async_op)
 
 
 def _collective(
     name: str, group: Group | DistContext, x: torch.Tensor, *options: Any, async_op: bool = False
 ) -> torch.Tensor:
-    """Run the collective ``name`` of the table on ``x`` with the public ``options``."""
     spec, g = _SPECS[name], as_group(group)
     args = spec.check(g, _check_tensor(x), *options)
     if not isinstance(async_op, bool):
@@ -277,23 +243,19 @@ class _Collective(torch.autograd.Function):
 def _in_place(
     group: Group,
     x: torch.Tensor,
-    launch: Callable[..., Launched],
+    launch: Callable[..., _launches.Launched],
     traced: Callable[..., torch.Tensor],
     *args: Any,
 ) -> torch.Tensor:
-    """Overwrite ``x`` with a collective's result; ``launch`` writes into the tensor it gets.
-
-    Eager: on ``x``, or on a contiguous copy then written back. Traced: ``x``
-    overwritten with the traced form.
-    """
+    """Overwrite ``x`` with a collective's result (eagerly through a contiguous copy if need be)."""
     if group.world_size == 1:
         return x
     if torch.compiler.is_compiling():
         return x.copy_(
             _closed(group, x, list(x.shape)) if group.is_closed else traced(group, x, *args)
         )
-    buf = local(x)
-    target = buf if buf.is_contiguous() else buf.contiguous()
+    buf = _launches.local(x)
+    target = buf.contiguous()  # buf itself if contiguous
     with torch.no_grad():
         _eager(group, target, launch, args, False, what=launch.__name__)
         if target is not buf:
@@ -304,20 +266,13 @@ def _in_place(
 def generic_path(
     name: str, group: Group | DistContext, x: torch.Tensor, *options: Any
 ) -> torch.Tensor:
-    """The test seam: ``name``'s backend-independent path, run on any group (gloo too).
+    """The test seam: the off-gloo path of ``"all_gather"`` or ``"reduce_scatter"``, on any group.
 
-    Production takes these paths off gloo only; tests call this on gloo so that
-    their arithmetic is covered on every run. ``name`` is ``"all_gather"``
-    (options: ``dim``) or ``"reduce_scatter"`` (options: ``op, dim``), checked
-    as the public functions check them. Not differentiable.
+    ``options`` as the public function takes them (``dim``; ``op, dim``). Not differentiable.
     """
-    launch = GENERIC[name]
-    spec, g = _SPECS[name], as_group(group)
-    args = spec.check(g, _check_tensor(x), *options)
-    return result(launch(g, local(x).detach(), *args), async_op=False)
-
-
-# --------------------------------------------------------------------------- public functions
+    launch, g = _launches.GENERIC[name], as_group(group)
+    args = _SPECS[name].check(g, _check_tensor(x), *options)
+    return _launches.result(launch(g, _launches.local(x).detach(), *args), async_op=False)
 
 
 def all_reduce(
@@ -332,9 +287,8 @@ def all_reduce(
         x: This rank's tensor; left unchanged (:func:`all_reduce_` saves the clone).
         op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``; the
             first two are differentiable. Mind that :func:`reduce` defaults to ``"mean"``.
-        async_op: Return at once a tensor that waits for the collective when
-            first used (torch's ``AsyncCollectiveTensor``), so that the compute
-            in between overlaps it; use it inside the ``distributed()`` block.
+        async_op: Return at once a tensor that waits on first use (torch's
+            ``AsyncCollectiveTensor``); use it inside the ``distributed()`` block.
 
     Returns:
         A new tensor; on a one-rank group, ``x``.
@@ -343,9 +297,7 @@ def all_reduce(
 
 
 def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over the group in place, without a clone; returns ``x`` on every rank.
-
-    Takes :func:`all_reduce`'s ``op``; a non-contiguous ``x`` goes through a copy.
+    """Reduce ``x`` over the group in place (``op`` as in :func:`all_reduce`); returns ``x``.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
@@ -355,7 +307,7 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
     g = as_group(group)
     _check_op(_check_tensor(x), op)
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
-    return _in_place(g, x, all_reduce_into, traced_all_reduce, op)
+    return _in_place(g, x, _launches.all_reduce_into, _launches.traced_all_reduce, op)
 
 
 def all_gather(
@@ -385,7 +337,7 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     _check_tensor(x)
     if g.world_size == 1:
         return [x]
-    x = local(x).detach().contiguous()
+    x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks]
     dist.all_gather(outs, x, group=g.device_group)
     return outs
@@ -401,15 +353,13 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Reduce ``x`` over the group; rank ``r`` gets chunk ``r`` along ``dim``.
 
-    The inverse of :func:`all_gather` (Megatron-style sequence parallelism).
-    ``op`` and ``async_op`` as in :func:`all_reduce`; with ``"sum"`` and
-    ``"mean"`` the gradient is all-gathered (and divided by the group size).
+    The inverse of :func:`all_gather`; ``op`` and ``async_op`` as in :func:`all_reduce`
+    (``"sum"`` and ``"mean"`` are differentiable).
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
-        Chunk ``r`` of ``x.chunk(world_size, dim)``, reduced over the ranks; on
-        a one-rank group, ``x``.
+        Chunk ``r`` of ``x.chunk(world_size, dim)``, reduced; on a one-rank group, ``x``.
 
     Raises:
         ValueError: The group size does not divide ``x.shape[dim]``.
@@ -433,7 +383,7 @@ def gather(
     d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
-    x = local(x).detach().contiguous()
+    x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
     dist.gather(x, outs, dst=dst_global, group=g.device_group)
     return None if outs is None else torch.cat(outs, dim=d)
@@ -444,8 +394,7 @@ def reduce(
 ) -> torch.Tensor | None:
     """Reduce ``x`` (``"sum"`` or ``"mean"``) onto group index ``dst``, out of place.
 
-    Mind the default: ``"mean"`` here, while :func:`all_reduce`,
-    :func:`reduce_scatter` and torch's ``reduce`` sum.
+    Mind the default: ``"mean"`` here, while :func:`all_reduce` and torch's ``reduce`` sum.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
@@ -457,7 +406,7 @@ def reduce(
     dst_global = g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
-    out = local(x).detach().clone(memory_format=torch.contiguous_format)
+    out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
     dist.reduce(out, dst=dst_global, group=g.device_group)
     if g.rank_in_group != dst:
         return None
@@ -478,7 +427,7 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
     if g.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
         raise ValueError(msg)
-    return _in_place(g, x, broadcast_into, traced_broadcast, src)
+    return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 
 def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> torch.Tensor:
@@ -493,7 +442,7 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
     _check_tensor(x)
     g.global_rank(src)
     _refuse_grad(g, x, "broadcast_", "broadcast")
-    return _in_place(g, x, broadcast_into, traced_broadcast, src)
+    return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 
 def all_to_all_4d(
@@ -506,10 +455,9 @@ def all_to_all_4d(
 ) -> torch.Tensor:
     """The sequence-parallel (Ulysses) exchange of a 4-D tensor.
 
-    Each rank splits ``scatter_dim`` among the ranks and concatenates what it
-    receives along ``gather_dim``: with the defaults, ``[B, S/P, H, D] -> [B,
-    S, H/P, D]``; ``scatter_dim=1, gather_dim=2`` is the way back.
-    Differentiable (the inverse exchange); ``async_op`` as in :func:`all_reduce`.
+    Splits ``scatter_dim`` among the ranks and concatenates along ``gather_dim``:
+    ``[B, S/P, H, D] -> [B, S, H/P, D]`` with the defaults, ``scatter_dim=1,
+    gather_dim=2`` the way back. Differentiable; ``async_op`` as in :func:`all_reduce`.
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
@@ -539,14 +487,13 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
     .. note:: The destination must call :func:`recv` with the same shape and
-        dtype. Point-to-point tensor calls cannot tell the peer about a local
-        argument error: if that ``recv`` fails its checks, this call waits for
-        the group timeout (the object functions carry a failure to the peer).
+        dtype. If that ``recv`` fails its checks, this call waits for the group
+        timeout (the object functions carry a failure to the peer).
     """
     g = as_group(group)
     _check_tensor(x)
     peer = g.ranks[g.peer_index(dst, g.next_rank, "dst")]
-    dist.send(local(x).detach().contiguous(), dst=peer, group=g.device_group)
+    dist.send(_launches.local(x).detach().contiguous(), dst=peer, group=g.device_group)
 
 
 @recorded("recv", p2p=True)
@@ -559,12 +506,10 @@ def recv(
     """Receive a new tensor from group index ``src`` (default: the previous rank).
 
     ``shape`` is a tensor shape or an int size, as ``torch.empty`` takes.
-    Every argument is checked before anything is received.
 
-    .. note:: The source must call :func:`send` with a tensor of this shape
-        and dtype. Point-to-point tensor calls cannot tell the peer about a
-        local argument error: if this call fails its checks, the ``send``
-        waits for the group timeout (the object functions carry a failure to the peer).
+    .. note:: The source must call :func:`send` with a tensor of this shape and
+        dtype. If this call fails its checks, the ``send`` waits for the group
+        timeout (the object functions carry a failure to the peer).
 
     Returns:
         The tensor, on the group's device.

@@ -1,10 +1,9 @@
 """Object gathers: every rank's skeleton in one message, tensors in one region per transport.
 
-As with the broadcasts, the ranks agree that every one could decode and
-allocate before any tensor moves. When the ranks send about as much as each
-other, one all-gather (or gather) of equal rows moves every rank's region;
-otherwise each rank sends its own, so that one large rank does not make every
-rank allocate world-size times its bytes.
+The ranks agree that every one could decode and allocate before any tensor
+moves. When the ranks send about as much as each other, one all-gather (or
+gather) of equal rows moves every rank's region; otherwise each rank sends its
+own, so that one large rank does not make every rank allocate W times its bytes.
 """
 
 from __future__ import annotations
@@ -16,24 +15,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _agree, _wire
+from . import _agree, _payload, _wire
 from ._buffers import ALIGN, allocate, bytes_of, filled, offsets
 from ._compat import all_gather_into
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._objects import DEFAULT_MIN_TENSOR_BYTES
-from ._payload import (
-    KINDS,
-    Decoded,
-    Encoded,
-    bucket_count,
-    decode,
-    encode,
-    materialize,
-    receive_buffers,
-    tensors_of,
-    transport_device,
-)
+from ._payload import KINDS, Decoded, Encoded
 from ._serialize import Safe, loads, safe_or_error
 
 __all__ = ["all_gather_object", "gather_object"]
@@ -49,7 +37,7 @@ def _encode_own(
     if error is not None:
         return checked, None, error
     try:
-        encoded = encode(
+        encoded = _payload.encode(
             obj,
             g.device,
             min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES,
@@ -62,15 +50,15 @@ def _encode_own(
 
 
 def _alone(g: Group, encoded: Encoded | None, error: BaseException | None) -> list[Any]:
-    """What a one-rank gather returns: the object rebuilt from its own encoding (a copy)."""
+    """A one-rank gather: the object rebuilt from its own encoding (a copy)."""
     if error is not None:
         raise error
     assert encoded is not None
-    decoded = decode(encoded.body)
-    buckets = receive_buffers(decoded, g.device)
+    decoded = _payload.decode(encoded.body)
+    buckets = _payload.receive_buffers(decoded, g.device)
     for i, flat in enumerate(buckets):
         encoded.fills[i].pack(flat)
-    return [materialize(decoded, buckets, g.device)]
+    return [_payload.materialize(decoded, buckets, g.device)]
 
 
 def _sizes(encoded: Encoded | Decoded | None) -> list[int]:
@@ -135,19 +123,21 @@ def _plan(
     """Decode ``bodies`` (each matching its rank's ``sizes`` record), and lay out the regions."""
     decodeds = []
     for r, body in enumerate(bodies):
-        decoded = decode(body, source=f"rank {g.ranks[r]}")
+        decoded = _payload.decode(body, source=f"rank {g.ranks[r]}")
         if sizes is not None and _sizes(decoded) != sizes[r]:
             msg = f"rank {g.ranks[r]} sent a payload whose buckets differ from its size record"
             raise PdistError(msg)
         decodeds.append(decoded)
     sizes = [_sizes(d) for d in decodeds] if sizes is None else sizes
     regions = {
-        kind: _Regions([s[k] for s in sizes], transport_device(kind, g.device), receiving=receiving)
+        kind: _Regions(
+            [s[k] for s in sizes], _payload.transport_device(kind, g.device), receiving=receiving
+        )
         for k, kind in enumerate(KINDS)
         if max(s[k] for s in sizes)
     }
     views = [
-        tensors_of(d, [regions[b.kind].region(r) for b in d.buckets], g.device)
+        _payload.tensors_of(d, [regions[b.kind].region(r) for b in d.buckets], g.device)
         for r, d in enumerate(decodeds)
     ]
     me = g.rank_in_group
@@ -178,8 +168,7 @@ def _rebuilt(g: Group, plan: _Plan, safe: Safe) -> list[Any]:
 def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = False) -> list[Any]:
     """Every rank's ``obj``, in group order, on every rank (each a copy, as with torch).
 
-    Dense tensors travel as tensors (one all-gather per transport) and land on
-    the receiver's device.
+    Dense tensors travel as tensors and land on the receiver's device.
 
     .. note:: All ranks of the group must call it.
 
@@ -204,7 +193,9 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
         return _alone(g, encoded, error)
     body = None if encoded is None else encoded.body
     bodies = _wire.all_gather_bytes(g, body, error=error, what=what)
-    counts = [bucket_count(b, source=f"rank {r}") for b, r in zip(bodies, g.ranks, strict=True)]
+    counts = [
+        _payload.bucket_count(b, source=f"rank {r}") for b, r in zip(bodies, g.ranks, strict=True)
+    ]
     plan = _agreed(
         g, lambda: _plan(g, bodies, None, encoded, True), together=any(counts), what=what
     )
@@ -255,8 +246,6 @@ def gather_object(
     group: Group | DistContext, obj: Any, dst: int = 0, *, safe: Safe = False
 ) -> list[Any] | None:
     """Every rank's ``obj`` in group order on group index ``dst`` (copies); None elsewhere.
-
-    Dense tensors travel as tensors (one gather per transport).
 
     .. note:: All ranks of the group must call it.
 

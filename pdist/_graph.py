@@ -25,9 +25,8 @@ class GraphCaptureContext:
 def graph_capture(group: Group | DistContext, stream: Any = None) -> Iterator[GraphCaptureContext]:
     """Run the block on a side stream that first waits for the current stream.
 
-    On CUDA, ``stream`` (default: a new one on the group's device) is the
-    current stream in the block, as CUDA-graph capture needs; on CPU the block
-    runs as is and the context's ``stream`` is None.
+    On CUDA, ``stream`` (default: a new one on the group's device) is the current
+    stream in the block; on CPU the block runs as is and the ``stream`` is None.
 
     Example::
 

@@ -1,15 +1,9 @@
 """How each tensor collective runs: eagerly, as a ``Launched``, or traced.
 
-An eager launch gives the result in its final layout, torch's work and, where
-the wire layout is not the final one, a finishing step; :func:`result` waits
-for it now or, with ``async_op=True``, returns a tensor that waits on first
-use, as torch's functional collectives do. Traced forms call torch's
-functional ops and wait once (they keep their process groups alive, so they
-are used only while tracing).
-
-gloo gets its own all-gather (along dim != 0) and reduce-scatter; the generic
-paths other backends take are plain functions (``GENERIC``), which
-:func:`~pdist._collectives.generic_path` runs on any group for tests.
+An eager launch gives the result, torch's work and maybe a finishing step;
+:func:`result` waits for it now or returns a tensor that waits on first use.
+Traced forms call torch's functional ops (they keep their process groups alive,
+so they are used only while tracing).
 """
 
 from __future__ import annotations
@@ -32,20 +26,13 @@ __all__ = [
     "Launched",
     "all_reduce_into",
     "broadcast_into",
-    "chunks",
-    "divider",
     "exchanged",
     "launch_all_gather",
-    "launch_all_gather_generic",
     "launch_all_to_all",
     "launch_reduce_scatter",
-    "launch_reduce_scatter_generic",
     "local",
-    "permuter",
-    "reduce_dim0",
     "resized",
     "result",
-    "split",
     "traced_all_gather",
     "traced_all_reduce",
     "traced_all_to_all",
@@ -69,15 +56,15 @@ def local(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def split(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
     """A view of ``x`` with ``dim`` split into ``(parts, size // parts)``."""
     shape = list(x.shape)
     return x.view(*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :])
 
 
-def chunks(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
-    """``x.chunk(parts, dim)`` stacked and contiguous: ``[P, *chunk]`` (no copy for dim 0)."""
-    return split(x, dim, parts).movedim(dim, 0).contiguous()
+def _chunks(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """``x.chunk(parts, dim)`` stacked and contiguous: ``[P, *chunk]``."""
+    return _split(x, dim, parts).movedim(dim, 0).contiguous()
 
 
 def resized(x: torch.Tensor, dim: int, size: int) -> list[int]:
@@ -92,8 +79,7 @@ def exchanged(group: Group, x: torch.Tensor, scatter: int, gather: int) -> list[
     return shape
 
 
-def reduce_dim0(stacked: torch.Tensor, op: str, out: torch.Tensor) -> None:
-    """Reduce ``stacked`` ([P, ...]) over dim 0 into ``out``."""
+def _reduce_dim0(stacked: torch.Tensor, op: str, out: torch.Tensor) -> None:
     if stacked.dtype == torch.bool:
         # torch has no bool sum or product that keeps the dtype; gloo's are OR and AND.
         op = {"sum": "max", "product": "min"}.get(op, op)
@@ -104,16 +90,12 @@ def reduce_dim0(stacked: torch.Tensor, op: str, out: torch.Tensor) -> None:
 
 
 class Launched(NamedTuple):
-    """A collective in flight: its result (final layout), torch's work, the finishing step.
-
-    ``buffers`` are the temporaries the finishing step reads (on an accelerator
-    they must outlive the step on the stream it runs on).
-    """
+    """A collective in flight: its result (final layout), torch's work, the finishing step."""
 
     out: torch.Tensor
     work: Any
     finish: Callable[[], object] | None = None
-    buffers: tuple[torch.Tensor, ...] = ()
+    buffers: tuple[torch.Tensor, ...] = ()  # what finish reads: must outlive it on its stream
 
 
 def result(launched: Launched, async_op: bool) -> torch.Tensor:
@@ -138,18 +120,18 @@ def result(launched: Launched, async_op: bool) -> torch.Tensor:
     return out
 
 
-def permuter(out: torch.Tensor, stacked: torch.Tensor, dim: int) -> Callable[[], object]:
+def _permuter(out: torch.Tensor, stacked: torch.Tensor, dim: int) -> Callable[[], object]:
     """The finishing step that moves ``stacked``'s blocks (``[P, ...]``) to ``dim`` of ``out``."""
-    return lambda: split(out, dim, stacked.shape[0]).copy_(stacked.movedim(0, dim))
+    return lambda: _split(out, dim, stacked.shape[0]).copy_(stacked.movedim(0, dim))
 
 
-def divider(out: torch.Tensor, n: int, op: str) -> Callable[[], object] | None:
+def _divider(out: torch.Tensor, n: int, op: str) -> Callable[[], object] | None:
     return (lambda: out.div_(n)) if op == "mean" else None
 
 
 def all_reduce_into(group: Group, out: torch.Tensor, op: str) -> Launched:
     work = dist.all_reduce(out, op=OPS[op], group=group.device_group, async_op=True)
-    return Launched(out, work, divider(out, group.world_size, op))
+    return Launched(out, work, _divider(out, group.world_size, op))
 
 
 def broadcast_into(group: Group, out: torch.Tensor, src: int) -> Launched:
@@ -161,7 +143,7 @@ def launch_all_gather(group: Group, x: torch.Tensor, dim: int) -> Launched:
     x, p = x.contiguous(), group.world_size
     direct = math.prod(x.shape[:dim]) == 1
     if not direct and dist.get_backend(group.device_group) != "gloo":
-        return launch_all_gather_generic(group, x, dim)
+        return _launch_all_gather_generic(group, x, dim)
     out = x.new_empty(resized(x, dim, p * x.shape[dim]))
     if direct:
         # Every rank's block is contiguous in the result: gather straight into it.
@@ -170,63 +152,62 @@ def launch_all_gather(group: Group, x: torch.Tensor, dim: int) -> Launched:
     # gloo gathers into a buffer of its own, then copies each rank's block to its
     # output tensor: given strided views of the result (rank r's block at index r
     # of dim), that copy is the permute, and nothing else touches the data.
-    views = list(split(out, dim, p).unbind(dim))
+    views = list(_split(out, dim, p).unbind(dim))
     return Launched(out, dist.all_gather(views, x, group=group.device_group, async_op=True))
 
 
-def launch_all_gather_generic(group: Group, x: torch.Tensor, dim: int) -> Launched:
+def _launch_all_gather_generic(group: Group, x: torch.Tensor, dim: int) -> Launched:
     """Gather rank-major into a buffer, then the one permute into the result."""
     x, p = x.contiguous(), group.world_size
     out = x.new_empty(resized(x, dim, p * x.shape[dim]))
     raw = x.new_empty((p, *x.shape))  # rank-major
     work = all_gather_into(raw.view(-1), x.view(-1), group.device_group, async_op=True)
-    return Launched(out, work, permuter(out, raw, dim), (raw,))
+    return Launched(out, work, _permuter(out, raw, dim), (raw,))
 
 
 def launch_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> Launched:
     if dist.get_backend(group.device_group) != "gloo":
-        return launch_reduce_scatter_generic(group, x, op, dim)
+        return _launch_reduce_scatter_generic(group, x, op, dim)
     # gloo's reduce-scatter all-reduces the whole tensor and keeps a chunk; an
     # all-to-all moves (P-1)/P of it once, then each rank reduces the P chunks
     # it received: half the traffic, and the reduction is local.
-    send = chunks(x, dim, group.world_size)  # [P, *chunk]: chunk r goes to rank r
+    send = _chunks(x, dim, group.world_size)  # [P, *chunk]: chunk r goes to rank r
     recv, out = torch.empty_like(send), x.new_empty(send.shape[1:])
     work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
-    divide = divider(out, group.world_size, op)
+    divide = _divider(out, group.world_size, op)
 
     def reduce_chunks() -> None:
-        reduce_dim0(recv, op, out)
+        _reduce_dim0(recv, op, out)
         if divide is not None:
             divide()
 
     return Launched(out, work, reduce_chunks, (recv,))
 
 
-def launch_reduce_scatter_generic(group: Group, x: torch.Tensor, op: str, dim: int) -> Launched:
-    """Torch's reduce-scatter of ``x``'s chunks, stacked rank-major."""
-    send = chunks(x, dim, group.world_size)  # [P, *chunk]
+def _launch_reduce_scatter_generic(group: Group, x: torch.Tensor, op: str, dim: int) -> Launched:
+    send = _chunks(x, dim, group.world_size)  # [P, *chunk]
     out, pg = x.new_empty(send.shape[1:]), group.device_group
     work = _compat.reduce_scatter_into(out.view(-1), send.view(-1), OPS[op], pg, async_op=True)
-    return Launched(out, work, divider(out, group.world_size, op))
+    return Launched(out, work, _divider(out, group.world_size, op))
 
 
-# What other backends take where gloo has its own path; tests reach them through generic_path.
+# What other backends take where gloo has its own path (tests: generic_path).
 GENERIC: dict[str, Callable[..., Launched]] = {
-    "all_gather": launch_all_gather_generic,
-    "reduce_scatter": launch_reduce_scatter_generic,
+    "all_gather": _launch_all_gather_generic,
+    "reduce_scatter": _launch_reduce_scatter_generic,
 }
 
 
 def launch_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> Launched:
     p = group.world_size
-    send = chunks(x, scatter, p)  # [P, *chunk]: chunk r goes to rank r
+    send = _chunks(x, scatter, p)  # [P, *chunk]: chunk r goes to rank r
     recv = torch.empty_like(send)  # [P, *chunk]: chunk r came from rank r
     work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
     shape = exchanged(group, x, scatter, gather)
     if gather == 0:
         return Launched(recv.view(shape), work)  # rank-major already
     out = recv.new_empty(shape)
-    return Launched(out, work, permuter(out, recv, gather), (recv,))
+    return Launched(out, work, _permuter(out, recv, gather), (recv,))
 
 
 # --------------------------------------------------------------------------- traced forms
@@ -253,12 +234,12 @@ def traced_all_gather(group: Group, x: torch.Tensor, dim: int) -> torch.Tensor:
 def traced_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> torch.Tensor:
     ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
     wire_op = "sum" if op == "mean" else op
-    out = ops.wait_tensor(ops.reduce_scatter_tensor(chunks(x, dim, p), wire_op, p, name))
+    out = ops.wait_tensor(ops.reduce_scatter_tensor(_chunks(x, dim, p), wire_op, p, name))
     return cast("torch.Tensor", (out / p if op == "mean" else out).squeeze(0))  # [1, *chunk]
 
 
 def traced_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
     ops, name, p = _compat.functional_ops(), group.device_group.group_name, group.world_size
-    out = ops.wait_tensor(ops.all_to_all_single(chunks(x, scatter, p), [1] * p, [1] * p, name))
+    out = ops.wait_tensor(ops.all_to_all_single(_chunks(x, scatter, p), [1] * p, [1] * p, name))
     out = out.movedim(0, gather).flatten(gather, gather + 1)  # a view for gather 0, as eagerly
     return cast("torch.Tensor", out)

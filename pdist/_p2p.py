@@ -48,11 +48,7 @@ def _part(flat: torch.Tensor, split: Group | None) -> torch.Tensor:
 def _send_payload(
     g: Group, peer: int, make: Callable[[], Any], *, what: str, split: Group | None = None
 ) -> None:
-    """Send ``make()`` to group index ``peer``: header, the receiver's status, then buckets.
-
-    What ``make`` raises travels as an error marker. With ``split`` (the
-    sender's all-gather group), only this rank's part of each bucket is sent.
-    """
+    """Send ``make()`` (or what it raises) to ``peer``; with ``split``, only this rank's parts."""
     parts = 1 if split is None else split.world_size
     try:
         encoded = encode(
@@ -122,18 +118,17 @@ def _recv_payload(
     decoded: Decoded | None = None
     buffers: list[torch.Tensor] = []
     tensors: list[torch.Tensor] = []
-    failure = error
-    if failure is None:
+    if error is None:
         try:
             decoded, buffers, tensors = _decoded(g, body, peer, split, what)
         except Exception as exc:
-            failure = exc
+            error = exc
     if stage is not None:
-        failure = _agree_split(stage, decoded, failure, what)
+        error = _agree_split(stage, decoded, error, what)
     if count > 0:  # the sender waits for this rank's answer only when buckets follow
-        _agree.tell(g, peer, failure, what=what)
-    elif failure is not None:
-        _agree.raise_own(g, failure, what)
+        _agree.tell(g, peer, error, what=what)
+    elif error is not None:
+        _agree.raise_own(g, error, what)
     assert decoded is not None
     for bucket, data in zip(decoded.buckets, buffers, strict=True):
         part = _part(data, split)
@@ -146,11 +141,10 @@ def _recv_payload(
 def _agree_split(
     split: Group, decoded: Decoded | None, failure: BaseException | None, what: str
 ) -> BaseException | None:
-    """The receivers of one all-gather group agree on success and on the bucket layout.
+    """The receivers of one all-gather group agree on success and layout; returns the failure.
 
     Every receiver takes part, whatever its own header held, so that one
     receiver's failure reaches the others before they wait in the all-gathers.
-    Returns the failure to report to this rank's sender.
     """
     layout = repr([] if decoded is None else [list(b) for b in decoded.buckets])
     try:
@@ -170,8 +164,7 @@ def _agree_split(
 def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
     """Send a picklable ``obj`` to group index ``dst``, which calls :func:`recv_object`.
 
-    Dense tensors travel as tensors, after the receiver answered that it can
-    take them. If ``obj`` cannot be pickled, the receiver raises too.
+    If ``obj`` cannot be pickled, the receiver raises too.
 
     Args:
         group: The group (a context means its world).
@@ -231,7 +224,7 @@ def send_tensor_dict(
     """Send a (nested) dict of tensors to group index ``dst`` (default: the next rank).
 
     With ``all_gather_group`` of size k (a pipeline stage's TP group), this rank
-    sends only its 1/k of every bucket and the receivers all-gather the rest. If
+    sends its 1/k of every bucket and the receivers all-gather the rest. If
     ``tensor_dict`` is not a dict or cannot be encoded, the receivers raise too.
 
     .. note:: The destination must call :func:`recv_tensor_dict` with a
@@ -258,8 +251,8 @@ def recv_tensor_dict(
     """Receive the dict group index ``src`` (default: the previous rank) sent.
 
     With ``all_gather_group``, each rank receives its part of every bucket and
-    the group all-gathers the rest, after the receivers agree that all are
-    ready (one receiver's failure raises on all of them and their senders).
+    the group all-gathers the rest (one receiver's failure raises on all of
+    them and their senders).
 
     .. note:: Every receiver of a stage must pass the stage's
        ``all_gather_group``: one that passes None or another group raises, but

@@ -15,7 +15,6 @@ __all__ = ["ulysses_attention"]
 
 
 def _layout_dims(layout: object) -> tuple[int, int, int]:
-    """The (batch, sequence, heads) dims of a layout such as ``"bhsd"``."""
     if not isinstance(layout, str) or sorted(layout) != sorted("bshd"):
         msg = (
             f"layout={layout!r} must name the 4 dims of q, k and v with the letters b (batch), "
@@ -27,20 +26,14 @@ def _layout_dims(layout: object) -> tuple[int, int, int]:
 
 
 def ulysses_attention(
-    group: Group | DistContext,
-    attention: Callable[..., torch.Tensor],
-    *,
-    layout: str = "bhsd",
+    group: Group | DistContext, attention: Callable[..., torch.Tensor], *, layout: str = "bhsd"
 ) -> Callable[..., torch.Tensor]:
     """Wrap ``attention(q, k, v, ...)`` for Ulysses sequence parallelism over ``group``.
 
-    Rank ``i`` holds the ``i``-th of equal chunks of the sequence. The wrapped
-    function trades q, k and v for the full sequence and ``1/P`` of the heads
-    (one ``all_to_all_4d``, two for grouped-query attention), runs
-    ``attention``, and trades the output back: each rank gets the output for
-    its own chunk and all heads, the matching slice of attention over the whole
-    sequence. Differentiable. Arguments after ``q, k, v`` reach ``attention``
-    unchanged, so they must hold for the full sequence and this rank's heads.
+    Rank ``i`` holds the ``i``-th of equal chunks of the sequence; ``attention`` runs
+    on the full sequence and ``1/P`` of the heads (the arguments after ``q, k, v``
+    reach it unchanged); each rank gets the output for its chunk and all heads.
+    Differentiable.
 
     Example (on 2 ranks, ``[B, H, S/2, D]`` per rank)::
 
@@ -82,11 +75,9 @@ def ulysses_attention(
 
     def to_heads(xs: list[torch.Tensor]) -> list[torch.Tensor]:
         # Same shapes travel together: one exchange for q, k, v stacked along the batch dim.
-        if len(xs) > 1:
-            both = torch.cat(xs, dim=batch_dim)
-            return list(to_heads([both])[0].chunk(len(xs), dim=batch_dim))
-        # [.., S/P, .., H, ..] -> [.., S, .., H/P, ..]
-        return [all_to_all_4d(g, xs[0], scatter_dim=heads_dim, gather_dim=seq_dim)]
+        x = torch.cat(xs, dim=batch_dim) if len(xs) > 1 else xs[0]
+        out = all_to_all_4d(g, x, scatter_dim=heads_dim, gather_dim=seq_dim)  # S/P, H -> S, H/P
+        return list(out.chunk(len(xs), dim=batch_dim)) if len(xs) > 1 else [out]
 
     @functools.wraps(attention)
     def wrapped(
