@@ -217,8 +217,7 @@ class _Distributed:
         store = self._open_store(deadline)
         deadline.stage = "checking in with the rendezvous store"
         generation = deadline.check_in(store, "startup")
-        # Each block's groups keep their rendezvous keys apart: a second block in the
-        # same job must never read the first one's (closed) addresses.
+        # A second block in the same job must never read the first one's (closed) addresses.
         self._block = (store, f"pdist/block/{generation}")
         store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
@@ -252,8 +251,8 @@ class _Distributed:
             dp_sp=axes["dp_sp"],
         )
         if world.device_group is not world.cpu_group:
-            # Host detection ran on the gloo groups; make the accelerator's world
-            # communicator prove itself (an int64 sum) while the deadline still holds.
+            # Host detection ran on the gloo groups: the accelerator's world communicator
+            # proves itself while the deadline still holds.
             deadline.stage = "probing the world communicator"
             probe_world(ctx)
         return ctx
@@ -263,9 +262,8 @@ class _Distributed:
         watch, self._watch = self._watch, None
         if watch is not None:  # its threads read the groups: joined before any is destroyed
             watch.stop()
-        # Modules, meshes and compiled functions the user dropped may sit in reference
-        # cycles that still hold process groups; collect them while the groups exist
-        # (torch 2.13 with gloo can abort at exit when such a cycle outlives its group).
+        # Dropped modules, meshes and compiled functions may sit in cycles that hold process
+        # groups: torch 2.13 with gloo can abort at exit when such a cycle outlives its group.
         gc.collect()
         if self._lifetime is not None:
             self._lifetime.close()

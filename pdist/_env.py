@@ -1,12 +1,9 @@
 """Launcher detection and ``PDIST_*`` settings, resolved into one frozen :class:`Settings`.
 
-:func:`resolve_settings` is a pure step: ``distributed()``'s arguments, the
-environment and a description of the machine's accelerator (probed elsewhere
-and passed in) become one value, so every rule is tested without processes.
-
-Every setting that holds a duration falls back to its default, with a warning
-naming the variable and the default, when it is not a finite non-negative
-number: a typo must never disarm a timeout.
+:func:`resolve_settings` is pure: ``distributed()``'s arguments, the environment and
+the machine's accelerator (probed elsewhere) become one value, so every rule is tested
+without processes. A duration setting that is not a finite non-negative number falls back
+to its default, with a warning naming the variable: a typo must never disarm a timeout.
 """
 
 from __future__ import annotations
@@ -275,13 +272,12 @@ def _check_rank_arg(name: str, value: object) -> None:
     raise ValueError(msg)
 
 
-def _in_range(
-    device: object, kind: str, index: int, accelerator: Accelerator, from_local_rank: bool
-) -> torch.device:
+def _in_range(device: object, kind: str, index: int, accelerator: Accelerator) -> torch.device:
+    """Device ``index`` of ``kind``; ``device`` None means the index came from the local rank."""
     if index < accelerator.count:
         return torch.device(kind, index)
     label = kind.upper()
-    if from_local_rank:
+    if device is None:
         msg = (
             f"LOCAL_RANK={index} has no {kind} device: only {accelerator.count} {label} "
             f"device(s) are visible to this process (a launcher that gives each task one GPU "
@@ -305,7 +301,7 @@ def _resolve_device(
     if device is None:
         if accelerator is None or backend == "gloo":
             return torch.device("cpu")
-        return _in_range(device, accelerator.type, local_rank, accelerator, True)
+        return _in_range(None, accelerator.type, local_rank, accelerator)
     if isinstance(device, int) and not isinstance(device, bool):
         if accelerator is None:
             msg = f"device={device!r} names an accelerator index, but none is available"
@@ -322,7 +318,7 @@ def _resolve_device(
         msg = f"device={device!r} needs {resolved.type.upper()}, which is not available"
         raise ValueError(msg + "; use device='cpu'")
     index = local_rank if resolved.index is None else resolved.index
-    return _in_range(device, resolved.type, index, accelerator, False)
+    return _in_range(device, resolved.type, index, accelerator)
 
 
 def _resolve_backend(

@@ -1,6 +1,6 @@
 """The value types every other module works with: ``Group``, ``DistContext`` and their lifetime.
 
-It imports nothing from pdist but the errors, so every other module can depend on it.
+It imports only the lowest pdist layers, so every other module can depend on it.
 """
 
 from __future__ import annotations

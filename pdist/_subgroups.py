@@ -5,12 +5,11 @@ device groups come from one ``split_group`` over the world; otherwise, and for t
 gloo metadata groups (which connect lazily), every rank creates only its own block's
 group. A partition already built in the block (``node`` equal to ``tp``) reuses its groups.
 
-torch names the groups of a local-synchronization ``new_group`` and of
-``split_group`` by hashing their ranks with the number of groups the process
-has registered so far, so members must agree on that count. Every partition
-build therefore registers the same number of groups on every rank: a rank that
-belongs to no block of :func:`new_group` still builds (and holds until the
-block exits) a group of its own.
+torch names the groups of a local-synchronization ``new_group`` and of ``split_group``
+by hashing their ranks with the number of groups the process has registered so far,
+so members must agree on that count. Every partition build therefore registers the
+same number of groups on every rank: a rank in no block of :func:`new_group` still
+builds (and holds until the block exits) a group of its own.
 """
 
 from __future__ import annotations
@@ -79,19 +78,22 @@ def build_world(
     if _backend_of(world_pg) not in _SELF_CPU_BACKENDS:
         cpu_key = lifetime.add(_local_group(None, "gloo", timeout, "world"), created=True)
     ranks = tuple(range(world_size))
-    world = Group(
-        name="world",
-        ranks=ranks,
+    built = lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
+    return _member("world", built, rank, device, lifetime)
+
+
+def _member(name: str, built: Built, rank: int, device: torch.device, lifetime: Lifetime) -> Group:
+    return Group(
+        name=name,
+        ranks=built.ranks,
         rank=rank,
-        rank_in_group=rank,
+        rank_in_group=built.ranks.index(rank),
         device=device,
-        timeout=timeout,
+        timeout=built.timeout,
         lifetime=lifetime,
-        device_key=device_key,
-        cpu_key=cpu_key,
+        device_key=built.device_key,
+        cpu_key=built.cpu_key,
     )
-    lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
-    return world
 
 
 def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
@@ -142,19 +144,7 @@ def build_partition(
         cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
         built = Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
         lifetime.partitions[canonical] = built
-    if not built.member:
-        return None
-    return Group(
-        name=name,
-        ranks=built.ranks,
-        rank=world.rank,
-        rank_in_group=built.ranks.index(world.rank),
-        device=world.device,
-        timeout=built.timeout,
-        lifetime=lifetime,
-        device_key=built.device_key,
-        cpu_key=built.cpu_key,
-    )
+    return _member(name, built, world.rank, world.device, lifetime) if built.member else None
 
 
 def _require(group: Group | None, name: str) -> Group:
@@ -338,8 +328,7 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
             non-empty str (on every rank).
         ValueError: The lists overlap, are empty, are not increasing or hold ranks
             outside the world (on every rank).
-        RankMismatchError: Ranks passed different lists, or only some ranks passed
-            bad ones (on every rank).
+        RankMismatchError: Ranks passed different lists, or only some passed bad ones.
         PdistError: The context is closed.
     """
     _check_ctx(ctx)

@@ -176,8 +176,8 @@ def same_node_ranks(group: Group | DistContext, source_rank: int = 0) -> list[in
 
     Args:
         group: The group (a context means its world).
-        source_rank: Group index of the member whose host is asked for (like every
-            ``src`` in pdist, an index into ``group.ranks``, not a global rank).
+        source_rank: Group index of the member whose host is asked for (an index into
+            ``group.ranks``, not a global rank).
 
     Raises:
         ValueError: ``source_rank`` is outside the group.
@@ -290,12 +290,11 @@ def set_cpu_affinity(cpus: Iterable[int]) -> frozenset[int]:
     allowed = frozenset(os.sched_getaffinity(0))
     wanted = requested & allowed
     if not wanted:
-        logger.warning(
+        msg = (
             "pdist: none of the CPUs %s is allowed for this process (allowed: %s); "
-            "keeping the current affinity",
-            sorted(requested),
-            sorted(allowed),
+            "keeping the current affinity"
         )
+        logger.warning(msg, sorted(requested), sorted(allowed))
         return allowed
     os.sched_setaffinity(0, wanted)
     return wanted
@@ -312,11 +311,10 @@ def apply_gpu_affinity(device: torch.device) -> frozenset[int] | None:
         # then fail after the others entered the block, so it is a warning like NVML's.
         set_cpu_affinity(cpus)
     except (PdistError, ValueError, OSError) as exc:
-        logger.warning(
+        msg = (
             "pdist: not pinning CPU affinity for %s: %s (pass cpu_affinity=False to "
-            "distributed() to skip this)",
-            device,
-            exc,
+            "distributed() to skip this)"
         )
+        logger.warning(msg, device, exc)
         return None
     return before
