@@ -1,10 +1,9 @@
 """``distributed()``: settings, then store, deadline, world, groups, hosts; and exact teardown.
 
-The start-up runs under one deadline (``startup_timeout``), armed before the
-rendezvous and disarmed when ``__enter__`` returns, so a stalled bring-up
-(a rank that never arrives, a communicator that never forms) ends every
-waiting rank with exit code 93 and a message naming the stage and the ranks
-that never checked in, instead of hanging. It never covers the user's block.
+One deadline (``startup_timeout``) is armed before the rendezvous and disarmed when
+``__enter__`` returns: a stalled bring-up ends every waiting rank (exit code 93, naming
+the stage and the ranks that never checked in) instead of hanging. It never covers the
+user's block.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import contextlib
 import gc
 import logging
 import os
-import types
 from datetime import timedelta
 from typing import Any
 
@@ -30,18 +28,14 @@ __all__ = ["distributed", "probe_accelerator"]
 
 logger = logging.getLogger("pdist")
 
-# The stores this process hosts (rank 0 when no launcher agent does, as under srun), one per
-# address, for the life of the process, as torchrun's agent keeps its own: a rank that reaches
-# the next block first connects to the server while rank 0 may still be leaving the last one,
-# so closing it with its block would fail that rank. Each block's keys live under a prefix.
+# The stores this process hosts, one per address, kept for the process's life (as torchrun's
+# agent keeps its own): closing one with its block would fail a rank that reaches the next
+# block first. Each block's keys live under a prefix.
 _HOSTED: dict[tuple[str, int], Store] = {}
 
 
 def probe_accelerator() -> _env.Accelerator | None:
-    """The machine's accelerator through ``torch.accelerator`` (cuda, xpu, npu, mps, ...).
-
-    The backend is torch's default for the device type where torch names one.
-    """
+    """The machine's accelerator through ``torch.accelerator`` (cuda, xpu, npu, mps, ...)."""
     api = torch.accelerator
     current = api.current_accelerator() if api.is_available() else None
     if current is None:
@@ -51,10 +45,6 @@ def probe_accelerator() -> _env.Accelerator | None:
     with contextlib.suppress(Exception):  # a device type torch names no backend for
         backend = str(dist.get_default_backend_for_device(kind))
     return _env.Accelerator(type=kind, count=count, backend=backend)
-
-
-def _device_module(device: torch.device) -> Any:
-    return getattr(torch, device.type, None) if device.type != "cpu" else None
 
 
 class _Distributed:
@@ -122,7 +112,6 @@ class _Distributed:
         return ctx
 
     def _watched(self) -> bool:
-        """Whether this block gets a stall watch: on, and a world whose collectives can wait."""
         s = self._settings
         return s.stall_timeout is not None and s.launch.world_size > 1
 
@@ -146,7 +135,7 @@ class _Distributed:
 
     def _bind_device(self) -> None:
         device = self._settings.device
-        module = _device_module(device)
+        module = getattr(torch, device.type, None) if device.type != "cpu" else None
         if module is None or not hasattr(module, "set_device"):
             return
         previous = module.current_device() if hasattr(module, "current_device") else None
@@ -160,12 +149,8 @@ class _Distributed:
         why = "it applies to CUDA devices only" if device.type != "cuda" else None
         why = why or _compat.set_l2_fetch_granularity(nbytes)
         if why is not None:
-            logger.warning(
-                "pdist: not setting the L2 fetch granularity of %s to %d bytes: %s",
-                device,
-                nbytes,
-                why,
-            )
+            msg = "pdist: not setting the L2 fetch granularity of %s to %d bytes: %s"
+            logger.warning(msg, device, nbytes, why)
         elif before is not None and before != nbytes:
             self._restore.append(lambda: _compat.set_l2_fetch_granularity(before))
 
@@ -193,40 +178,30 @@ class _Distributed:
         # It must not wait for every rank to connect, TCPStore's default: a late rank would
         # keep it from checking in, and it alone would report the store as unreachable.
         hosts = launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        options: dict[str, Any] = {"timeout": settings.timeout, "wait_for_workers": False}
         if not hosts:
-            return TCPStore(
-                addr, port, launch.world_size, timeout=settings.timeout, wait_for_workers=False
-            )
+            return TCPStore(addr, port, launch.world_size, **options)
         deadline.hosts_store()
         self._hosts_store = True
-        hosted = _HOSTED.get((addr, port))
-        if hosted is None:
-            hosted = _HOSTED[(addr, port)] = TCPStore(
-                addr,
-                port,
-                launch.world_size,
-                is_master=True,
-                timeout=settings.timeout,
-                wait_for_workers=False,
-                multi_tenant=True,
+        if (addr, port) not in _HOSTED:
+            _HOSTED[(addr, port)] = TCPStore(
+                addr, port, launch.world_size, is_master=True, multi_tenant=True, **options
             )
-        return hosted
+        return _HOSTED[(addr, port)]
 
     def _init_world(self, lifetime: Lifetime, store: Store, deadline: Deadline) -> None:
         settings = self._settings
         deadline.stage = "initializing the default process group (the world communicator)"
-        kwargs: dict[str, Any] = {
-            "backend": settings.backend,
-            "rank": settings.launch.rank,
-            "world_size": settings.launch.world_size,
-            "timeout": settings.timeout,
-            "store": store,
-        }
-        if settings.device.type != "cpu":
+        dist.init_process_group(
+            backend=settings.backend,
+            rank=settings.launch.rank,
+            world_size=settings.launch.world_size,
+            timeout=settings.timeout,
+            store=store,
             # Eager communicator creation bound to our device (principle 4); it also lets
             # every subgroup be split from it in one call per axis.
-            kwargs["device_id"] = settings.device
-        dist.init_process_group(**kwargs)
+            device_id=settings.device if settings.device.type != "cpu" else None,
+        )
         lifetime.owns_default()
 
     def _build(self, lifetime: Lifetime, deadline: Deadline) -> DistContext:
@@ -242,8 +217,7 @@ class _Distributed:
         store = self._open_store(deadline)
         deadline.stage = "checking in with the rendezvous store"
         generation = deadline.check_in(store, "startup")
-        # Each block's groups keep their rendezvous keys apart: a second block in the
-        # same job must never read the first one's (closed) addresses.
+        # A second block in the same job must never read the first one's (closed) addresses.
         self._block = (store, f"pdist/block/{generation}")
         store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
@@ -277,8 +251,8 @@ class _Distributed:
             dp_sp=axes["dp_sp"],
         )
         if world.device_group is not world.cpu_group:
-            # Host detection ran on the gloo groups; make the accelerator's world
-            # communicator prove itself (an int64 sum) while the deadline still holds.
+            # Host detection ran on the gloo groups: the accelerator's world communicator
+            # proves itself while the deadline still holds.
             deadline.stage = "probing the world communicator"
             probe_world(ctx)
         return ctx
@@ -288,9 +262,8 @@ class _Distributed:
         watch, self._watch = self._watch, None
         if watch is not None:  # its threads read the groups: joined before any is destroyed
             watch.stop()
-        # Modules, meshes and compiled functions the user dropped may sit in reference
-        # cycles that still hold process groups; collect them while the groups exist
-        # (torch 2.13 with gloo can abort at exit when such a cycle outlives its group).
+        # Dropped modules, meshes and compiled functions may sit in cycles that hold process
+        # groups: torch 2.13 with gloo can abort at exit when such a cycle outlives its group.
         gc.collect()
         if self._lifetime is not None:
             self._lifetime.close()
@@ -301,12 +274,7 @@ class _Distributed:
             except Exception:  # teardown goes on; report and keep restoring
                 logger.warning("pdist: restoring process state failed", exc_info=True)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: types.TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._close()
 
 
@@ -337,22 +305,15 @@ def distributed(
 ) -> contextlib.AbstractContextManager[DistContext]:
     """Set up torch.distributed and the parallel groups; yield a frozen :class:`DistContext`.
 
-    Works under torchrun, under SLURM's ``srun`` and as plain ``python
-    script.py`` (a one-rank world). Arguments are validated when this is
-    called, identically on every rank. The whole start-up (rendezvous, the
-    world communicator, the ``tp``/``sp``/``dp``/``dp_sp``/``node`` groups) runs
-    under ``startup_timeout``: a rank that never arrives or a communicator
-    that never forms ends every waiting rank with exit code 93
-    (:data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`), naming the stage and the
-    ranks that never checked in; the block itself is never covered: there the
-    stall watch (``stall_timeout``) turns a collective that waits too long into
-    one report of which rank is where, within seconds, at no cost in
-    collectives or store traffic while the job is healthy. An
-    already initialized default group is adopted and left alone. On exit it
-    destroys exactly the groups it created (no collective, also when the block
-    raises, after stopping the watch) and restores the current device, CPU
-    affinity, L2 fetch granularity and environment it changed. The returned
-    object can be entered once; blocks may follow each other in one job.
+    Works under torchrun, SLURM's ``srun`` and plain ``python script.py`` (one
+    rank); arguments are validated at the call, identically on every rank. The
+    start-up runs under ``startup_timeout`` (a stalled one ends every waiting rank
+    with :data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`, naming the ranks that never
+    checked in); inside the block the stall watch reports a collective that waits
+    too long. An initialized default group is adopted and left alone. On exit it
+    destroys exactly the groups it created (no collective) and restores the device,
+    CPU affinity, L2 fetch granularity and environment it changed. Single-use;
+    blocks may follow each other in one job.
 
     .. note:: Every rank of the job must enter it.
 
@@ -360,23 +321,21 @@ def distributed(
         tp: Tensor-parallel size (adjacent ranks).
         sp: Sequence-parallel size.
         backend: ``"nccl"``, ``"gloo"``, ``"xccl"``, ...; default ``PDIST_BACKEND``,
-            else the device's default (nccl on CUDA, xccl on XPU, hccl on NPU, gloo on CPU).
-        device: The rank's device; default the accelerator at ``local_rank`` (cuda, xpu,
-            npu, mps, found through ``torch.accelerator``), else the CPU.
+            else the device's default.
+        device: The rank's device; default the accelerator at ``local_rank`` (through
+            ``torch.accelerator``), else the CPU.
         timeout: Collective timeout (seconds or ``timedelta``); default ``PDIST_TIMEOUT_SEC``
             or 1800 s. ``PDIST_SUBGROUP_TIMEOUT_SEC`` overrides it for subgroups.
         startup_timeout: Deadline of the whole start-up (seconds or ``timedelta``);
             None reads ``PDIST_WORLD_COMM_TIMEOUT_SEC`` (default 600 s); 0 waits forever.
-        l2_fetch_granularity: On CUDA, the L2 fetch granularity to set, in bytes
-            (Cosmos sets 128); None leaves the device alone. A warning says why
-            when it cannot be set.
+        l2_fetch_granularity: On CUDA, the L2 fetch granularity to set, in bytes; None
+            leaves the device alone. A warning says why when it cannot be set.
         stall_timeout: How long a collective may wait before the stall report (seconds or
             ``timedelta``); None reads ``PDIST_STALL_TIMEOUT_SEC`` (default 300 s); 0 turns
-            the watch off (no thread; torch's flight recorder is left as it is).
-        on_stall: ``"report"``: log the report (on the ``pdist`` logger, at ERROR, by the
-            lowest answering rank) and keep waiting, reporting again when the picture
-            changes; ``"exit"``: log it, then every answering rank exits with
-            :data:`~pdist.STALL_EXIT_CODE` (94). Default ``"report"``, or ``PDIST_ON_STALL``.
+            the watch off.
+        on_stall: ``"report"``: log the report (``pdist`` logger, ERROR) and keep waiting;
+            ``"exit"``: log it, then every answering rank exits with
+            :data:`~pdist.STALL_EXIT_CODE`. Default ``"report"``, or ``PDIST_ON_STALL``.
         store: A ``torch.distributed.Store`` to rendezvous through instead of the launcher's.
         rank: Overrides the launcher's rank.
         world_size: Overrides the launcher's world size.
@@ -387,12 +346,11 @@ def distributed(
         A single-use context manager yielding the :class:`DistContext`.
 
     Raises:
-        ValueError: Bad sizes, backend, device, durations or ``on_stall`` (see the
-            message for the fix).
-        RankMismatchError: On entry, when ranks passed different ``tp`` or ``sp``
-            (on every rank).
-        PdistError: Entered twice, or the hosts hold different numbers of ranks
-            (on every rank).
+        ValueError: Bad sizes, backend, device, durations or ``on_stall``.
+        RankMismatchError: On entry, when ranks passed different ``tp`` or ``sp`` (on every
+            rank).
+        PdistError: Entered twice, or the hosts hold different numbers of ranks (on every
+            rank).
     """
     settings = _env.resolve_settings(
         tp=tp,

@@ -1,12 +1,9 @@
 """Launcher detection and ``PDIST_*`` settings, resolved into one frozen :class:`Settings`.
 
-:func:`resolve_settings` is a pure step: ``distributed()``'s arguments, the
-environment and a description of the machine's accelerator (probed elsewhere
-and passed in) become one value, so every rule is tested without processes.
-
-Every setting that holds a duration falls back to its default, with a warning
-naming the variable and the default, when it is not a finite non-negative
-number: a typo must never disarm a timeout.
+:func:`resolve_settings` is pure: ``distributed()``'s arguments, the environment and
+the machine's accelerator (probed elsewhere) become one value, so every rule is tested
+without processes. A duration setting that is not a finite non-negative number falls back
+to its default, with a warning naming the variable: a typo must never disarm a timeout.
 """
 
 from __future__ import annotations
@@ -49,47 +46,25 @@ __all__ = [
 
 logger = logging.getLogger("pdist")
 
-DEFAULT_TIMEOUT_SEC = 1800.0
-"""Collective timeout when neither ``timeout=`` nor ``PDIST_TIMEOUT_SEC`` is given (torch's)."""
-
+DEFAULT_TIMEOUT_SEC = 1800.0  # torch's
 DEFAULT_WORLD_COMM_TIMEOUT_SEC = 600.0
-"""Deadline of the world-communicator guard when ``PDIST_WORLD_COMM_TIMEOUT_SEC`` is unset."""
-
 DEFAULT_STALL_TIMEOUT_SEC = 300.0
-"""How long a collective may wait before the stall watch reports (``PDIST_STALL_TIMEOUT_SEC``)."""
-
-DEFAULT_STALL_ANSWER_SEC = 10.0
-"""How long a stall report waits for the ranks' answers (``PDIST_STALL_ANSWER_SEC``)."""
-
+DEFAULT_STALL_ANSWER_SEC = 10.0  # how long a stall report waits for the ranks' answers
 ON_STALL_MODES = ("report", "exit")
-"""What ``distributed(on_stall=...)`` accepts."""
 
 
 class _DefaultMode(str):
-    """``on_stall``'s default: equal to ``"report"``, told apart from one the caller wrote.
-
-    ``PDIST_ON_STALL`` replaces the default, never a value the caller wrote.
-    """
+    """``on_stall``'s default ``"report"``: ``PDIST_ON_STALL`` replaces it, never a value set."""
 
     __slots__ = ()
 
 
 DEFAULT_ON_STALL: str = _DefaultMode("report")
-"""The default of ``distributed(on_stall=...)``: ``"report"``, unless ``PDIST_ON_STALL`` says."""
 
 
 @attrs.frozen(kw_only=True)
 class Launch:
-    """Where this process sits in the job, as the launcher described it.
-
-    Attributes:
-        launcher: ``"torchrun"``, ``"slurm"`` or ``"none"`` (a one-rank world).
-        rank: Global rank.
-        world_size: Number of processes in the job.
-        local_rank: Index of this process on its host.
-        master_addr: Rendezvous host, when the launcher names one.
-        master_port: Rendezvous port, when the launcher names one.
-    """
+    """Where this process sits in the job; ``launcher``: ``"torchrun"``, ``"slurm"``, ``"none"``."""
 
     launcher: str
     rank: int
@@ -124,18 +99,7 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
-    """Read the launcher's variables: torchrun's first, then SLURM's, else a one-rank world.
-
-    Args:
-        environ: The environment to read; ``os.environ`` by default.
-
-    Returns:
-        The launch description.
-
-    Raises:
-        ValueError: A launcher variable is not a non-negative integer, or the
-            rank is not below the world size.
-    """
+    """Read the launcher's variables: torchrun's first, then SLURM's, else a one-rank world."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         launch = Launch(
@@ -172,12 +136,7 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
 
 
 def to_seconds(value: float | timedelta, name: str) -> float:
-    """A duration argument (seconds or a ``timedelta``) as finite positive seconds.
-
-    Raises:
-        TypeError: ``value`` is neither a number nor a ``timedelta``.
-        ValueError: ``value`` is not finite and positive.
-    """
+    """A duration argument (seconds or a ``timedelta``) as finite positive seconds."""
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -218,12 +177,9 @@ def env_seconds(
     zero_means_forever: bool = False,
     environ: Mapping[str, str] | None = None,
 ) -> float | None:
-    """Read a duration in seconds from the environment variable ``name``.
+    """Seconds from the variable ``name``; unset gives ``default``, so does a bad value (warning).
 
-    Unset or empty gives ``default``. A value that is not a number, ``nan``,
-    ``inf`` or negative logs a warning naming the variable and the default,
-    and gives the default. ``0`` gives ``None`` (wait forever) when
-    ``zero_means_forever``, else it is invalid like the others.
+    ``0`` gives None (forever) when ``zero_means_forever``, else it is bad too.
     """
     env = os.environ if environ is None else environ
     raw = env.get(name, "").strip()
@@ -251,37 +207,23 @@ def env_backend(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def world_comm_timeout(environ: Mapping[str, str] | None = None) -> float | None:
-    """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever).
-
-    Unset gives 600 s; ``0`` waits forever; a non-number, ``nan``, ``inf`` or a
-    negative value logs a warning naming the variable and gives the default.
-    """
+    """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever)."""
     name, default = "PDIST_WORLD_COMM_TIMEOUT_SEC", DEFAULT_WORLD_COMM_TIMEOUT_SEC
     return env_seconds(name, default, zero_means_forever=True, environ=environ)
 
 
 KNOWN_BACKENDS = ("gloo", "nccl", "xccl", "hccl", "mpi", "ucc")
-"""Backends ``distributed(backend=...)`` accepts."""
-
+# Where torch cannot say (``get_default_backend_for_device``).
 DEFAULT_BACKENDS: dict[str, str] = {
     "cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mps": "gloo", "cpu": "gloo"
 }  # fmt: skip
-"""The backend of each device type, where torch cannot say (``get_default_backend_for_device``)."""
-
-# The device type a backend's tensors must live on; the others take any device.
-_BACKEND_DEVICE = {"nccl": "cuda", "xccl": "xpu", "hccl": ("npu", "hpu")}
-_CPU_BACKENDS = ("gloo",)
+# The device types a backend's tensors must live on; the others take any device.
+_BACKEND_DEVICE = {"nccl": ("cuda",), "xccl": ("xpu",), "hccl": ("npu", "hpu")}
 
 
 @attrs.frozen(kw_only=True)
 class Accelerator:
-    """The machine's accelerator, as torch's accelerator API reports it.
-
-    Attributes:
-        type: Device type (``"cuda"``, ``"xpu"``, ``"npu"``, ``"mps"``, ...).
-        count: Number of visible devices.
-        backend: Its default distributed backend (``"nccl"``, ``"xccl"``, ...).
-    """
+    """The machine's accelerator (device type, visible devices, default backend), as torch says."""
 
     type: str
     count: int
@@ -301,21 +243,9 @@ class Adopted:
 class Settings:
     """Everything ``distributed()`` needs to know before it touches torch.distributed.
 
-    Attributes:
-        launch: The launcher's description of this process (rank, world, rendezvous).
-        layout: The ``dp, sp, tp`` sizes over the world.
-        backend: Backend of the device groups.
-        device: The device this rank binds to.
-        timeout: Collective timeout of the world group.
-        subgroup_timeout: Collective timeout of the subgroups.
-        startup_timeout: Deadline of the whole start-up in seconds; None waits forever.
-        l2_fetch_granularity: CUDA L2 fetch granularity to set, in bytes; None leaves it.
-        stall_timeout: Seconds a collective may wait before the stall watch reports;
-            None: no watch.
-        on_stall: ``"report"`` or ``"exit"``.
-        stall_answer: Seconds a stall report waits for the ranks' answers.
-        cpu_affinity: Pin to the CPUs near the accelerator (NVML, CUDA only).
-        adopt: The default group is already initialized: adopt it, leave it alone.
+    Durations are seconds; ``startup_timeout`` None waits forever, ``stall_timeout``
+    None means no watch, ``l2_fetch_granularity`` None leaves the device alone.
+    ``adopt``: the default group is already initialized; adopt it, leave it alone.
     """
 
     launch: Launch
@@ -334,24 +264,20 @@ class Settings:
 
 
 def _check_rank_arg(name: str, value: object) -> None:
-    if value is None:
+    least = 1 if name == "world_size" else 0
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= least):
         return
-    if name == "world_size":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            msg = f"world_size={value!r} must be a positive int (the number of ranks in the job)"
-            raise ValueError(msg)
-    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        msg = f"{name}={value!r} must be a non-negative int"
-        raise ValueError(msg)
+    what = "a positive int (the number of ranks in the job)" if least else "a non-negative int"
+    msg = f"{name}={value!r} must be {what}"
+    raise ValueError(msg)
 
 
-def _in_range(
-    device: object, kind: str, index: int, accelerator: Accelerator, from_local_rank: bool
-) -> torch.device:
+def _in_range(device: object, kind: str, index: int, accelerator: Accelerator) -> torch.device:
+    """Device ``index`` of ``kind``; ``device`` None means the index came from the local rank."""
     if index < accelerator.count:
         return torch.device(kind, index)
     label = kind.upper()
-    if from_local_rank:
+    if device is None:
         msg = (
             f"LOCAL_RANK={index} has no {kind} device: only {accelerator.count} {label} "
             f"device(s) are visible to this process (a launcher that gives each task one GPU "
@@ -373,9 +299,9 @@ def _resolve_device(
     accelerator: Accelerator | None,
 ) -> torch.device:
     if device is None:
-        if accelerator is None or backend in _CPU_BACKENDS:
+        if accelerator is None or backend == "gloo":
             return torch.device("cpu")
-        return _in_range(device, accelerator.type, local_rank, accelerator, True)
+        return _in_range(None, accelerator.type, local_rank, accelerator)
     if isinstance(device, int) and not isinstance(device, bool):
         if accelerator is None:
             msg = f"device={device!r} names an accelerator index, but none is available"
@@ -392,7 +318,7 @@ def _resolve_device(
         msg = f"device={device!r} needs {resolved.type.upper()}, which is not available"
         raise ValueError(msg + "; use device='cpu'")
     index = local_rank if resolved.index is None else resolved.index
-    return _in_range(device, resolved.type, index, accelerator, False)
+    return _in_range(device, resolved.type, index, accelerator)
 
 
 def _resolve_backend(
@@ -410,11 +336,10 @@ def _resolve_backend(
         msg = f"{name}={backend!r} is not one of {KNOWN_BACKENDS}"
         raise ValueError(msg)
     backend = backend.lower()
-    needs = _BACKEND_DEVICE.get(backend)
-    if needs is not None and device.type not in ((needs,) if isinstance(needs, str) else needs):
-        kind = needs if isinstance(needs, str) else needs[0]
-        label = kind.upper()
-        available = accelerator is not None and accelerator.type == kind
+    needs = _BACKEND_DEVICE.get(backend, ())
+    if needs and device.type not in needs:
+        label = needs[0].upper()
+        available = accelerator is not None and accelerator.type == needs[0]
         msg = (
             f"{name}={backend!r} needs a {label} device, but the device is {str(device)!r}"
             + ("" if available else f" ({label} is not available)")
@@ -435,14 +360,7 @@ def _off_or_seconds(value: float | timedelta, name: str) -> float | None:
 def deadline_seconds(
     value: float | timedelta | None, name: str, environ: Mapping[str, str] | None = None
 ) -> float | None:
-    """A deadline argument as seconds, or None (forever).
-
-    None reads :func:`world_comm_timeout`; ``0`` (or a zero ``timedelta``) waits forever.
-
-    Raises:
-        TypeError: ``value`` is neither a number nor a ``timedelta``.
-        ValueError: ``value`` is negative or not finite.
-    """
+    """A deadline argument as seconds, or None (forever): None reads :func:`world_comm_timeout`."""
     return world_comm_timeout(environ) if value is None else _off_or_seconds(value, name)
 
 
@@ -464,17 +382,10 @@ def stall_settings(
     on_stall: str = DEFAULT_ON_STALL,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[float | None, str, float]:
-    """The stall watch's settings: ``(stall_timeout, on_stall, answer wait)`` (pure).
+    """The stall watch's ``(stall_timeout, on_stall, answer wait)``; ``0`` turns the watch off.
 
-    ``stall_timeout`` None reads ``PDIST_STALL_TIMEOUT_SEC`` (default 300 s);
-    ``0``, there or here, turns the watch off (None). ``on_stall`` left at its
-    default reads ``PDIST_ON_STALL`` (default ``"report"``); a value the caller
-    wrote wins. The answer wait reads ``PDIST_STALL_ANSWER_SEC`` (default 10 s).
-
-    Raises:
-        TypeError: ``stall_timeout`` is neither a number nor a ``timedelta``.
-        ValueError: ``stall_timeout`` is negative or not finite, or ``on_stall``
-            (or ``PDIST_ON_STALL``) is neither ``"report"`` nor ``"exit"``.
+    Unset arguments read ``PDIST_STALL_TIMEOUT_SEC`` and ``PDIST_ON_STALL``; a value the caller
+    wrote wins. The answer wait reads ``PDIST_STALL_ANSWER_SEC``.
     """
     env = os.environ if environ is None else environ
     if stall_timeout is None:
@@ -552,17 +463,10 @@ def resolve_settings(
     accelerator: Accelerator | None = None,
     adopted: Adopted | None = None,
 ) -> Settings:
-    """Turn ``distributed()``'s arguments and the environment into :class:`Settings` (pure).
+    """``distributed()``'s arguments and the environment as :class:`Settings` (pure).
 
-    The arguments are ``distributed()``'s (see there), plus: ``store_given`` (a
-    rendezvous store was passed in), ``environ`` (default ``os.environ``),
-    ``accelerator`` (the machine's, None on a CPU-only machine) and ``adopted``
-    (the already-initialized default group, if any).
-
-    Raises:
-        ValueError: Any argument or launcher variable is invalid; the message
-            names it, its value and the fix.
-        TypeError: A size or duration has the wrong type.
+    Besides ``distributed()``'s: ``store_given`` (a store was passed in), ``accelerator``
+    (None on a CPU-only machine) and ``adopted`` (the initialized default group, if any).
     """
     env = os.environ if environ is None else environ
     overrides = {"rank": rank, "world_size": world_size, "local_rank": local_rank}

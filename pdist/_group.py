@@ -1,6 +1,6 @@
 """The value types every other module works with: ``Group``, ``DistContext`` and their lifetime.
 
-It imports nothing from pdist but the errors, so every other module can depend on it.
+It imports only the lowest pdist layers, so every other module can depend on it.
 """
 
 from __future__ import annotations
@@ -46,15 +46,11 @@ class HeaderTransport(Protocol):
         what: str,
     ) -> bytes:
         """Broadcast ``payload`` (or the source's ``error``) from group index ``src``."""
-        ...
 
 
 @attrs.frozen
 class Built:
-    """A partition as built in one block: the caller's block and its two group keys.
-
-    ``member``: the caller is in a block (else it holds a group of its own, see ``_subgroups``).
-    """
+    """A partition as built: the caller's block, its group keys, whether it is a member at all."""
 
     ranks: tuple[int, ...]
     device_key: int
@@ -68,11 +64,8 @@ class Lifetime:
 
     Groups reach torch's process groups only through it, so that once the block
     exits nothing pdist handed out keeps a destroyed group alive (torch 2.13 with
-    gloo can abort at exit while one is referenced).
-
-    Attributes:
-        subgroup_timeout: The timeout of groups built after start-up.
-        partitions: Partitions built so far, by their blocks (asking twice builds once).
+    gloo can abort at exit while one is referenced). ``partitions``: those built so far,
+    by their blocks (asking twice builds once).
     """
 
     def __init__(self) -> None:
@@ -293,11 +286,7 @@ class DistContext:
 
 
 def as_group(group: Group | DistContext, *, name: str = "group") -> Group:
-    """The group a collective runs on: a ``Group`` itself, or a context's ``world``.
-
-    Raises:
-        TypeError: ``group`` is neither.
-    """
+    """The group a collective runs on: a ``Group`` itself, or a context's ``world``."""
     if isinstance(group, Group):
         return group
     if isinstance(group, DistContext):

@@ -64,10 +64,8 @@ def grace(seconds: float) -> float:
 def _missing(store: Store, keys: list[str]) -> list[int] | None:
     """The indices of ``keys`` absent from ``store``, read with a bounded wait (None: no answer).
 
-    Reads through a clone of ``store`` (its own connection): the stuck main thread
-    may hold the original's. One round trip per chunk, then one per key of the
-    incomplete chunks. The reading thread may hang on a dead store; the watchdog
-    never waits on it.
+    Reads through a clone of ``store``: the stuck main thread may hold the original's
+    connection. The reading thread may hang on a dead store; the watchdog never waits on it.
     """
     found: list[int] = []
     done = threading.Event()
@@ -87,8 +85,8 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
 class Deadline:
     """A watchdog that ends the process with exit code 93 unless disarmed in time.
 
-    ``stage`` names what the rank is doing (it appears in the message); the
-    check-ins let every waiting rank name the ranks that never arrived.
+    ``stage`` names what the rank is doing (for the message); the check-ins let
+    every waiting rank name the ranks that never arrived.
     """
 
     def __init__(
@@ -122,7 +120,7 @@ class Deadline:
             self._linger = grace(self.seconds) + _STORE_READ_SECONDS
 
     def arm(self) -> None:
-        """Start the watchdog (nothing happens without a finite deadline)."""
+        """Start the watchdog (none without a finite deadline)."""
         self._start = time.monotonic()
         if self.seconds is None or not math.isfinite(self.seconds):
             return
@@ -150,23 +148,18 @@ class Deadline:
             self._thread.join()
         took = time.monotonic() - self._start
         if self.seconds is not None and took > self.seconds:
-            logger.warning(
+            msg = (
                 "pdist: rank %d: %s took %.1fs, past its %gs deadline (saved by the grace "
-                "period); raise the deadline before it ends a run: %s",
-                self.rank,
-                self.what,
-                took,
-                self.seconds,
-                self.hint,
+                "period); raise the deadline before it ends a run: %s"
             )
+            logger.warning(msg, self.rank, self.what, took, self.seconds, self.hint)
         return took
 
     def abort_if_expired(self, error: BaseException) -> None:
         """End the process as on expiry when ``error`` came after the deadline passed.
 
-        A peer that gave up at its deadline makes this rank's call fail a moment
-        before its own watchdog fires; it must still end with exit code 93, not a
-        traceback. Returns (the caller re-raises) before the deadline.
+        A peer that gave up at its deadline makes this rank fail a moment before its
+        own watchdog fires; it must still end with exit code 93, not a traceback.
         """
         if self.seconds is None or self._done.is_set():
             return
@@ -250,12 +243,10 @@ def probe_world(ctx: DistContext) -> None:
 def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None) -> Iterator[None]:
     """Bound a chosen block, and a probe of the world communicator, by a deadline.
 
-    On entry every rank checks in with the rendezvous store and verifies a
-    probe all-reduce. Past the deadline (plus a short grace) a watchdog logs
-    which ranks never checked in and ends the process with
-    ``WORLD_COMM_TIMEOUT_EXIT_CODE`` (93): a stall inside a C call cannot be
-    interrupted. ``distributed()`` bounds its own start-up; use this for a
-    block you choose (never a whole training job: it ends any late block).
+    Past the deadline (plus a short grace) a watchdog logs which ranks never
+    checked in and ends the process with ``WORLD_COMM_TIMEOUT_EXIT_CODE``: a
+    stall inside a C call cannot be interrupted. Never guard a whole training
+    job: it ends any late block.
 
     .. note:: Every rank of the world must enter it.
 
@@ -285,11 +276,8 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
         deadline.stage = "probing the world communicator"
         start = time.monotonic()
         probe_world(ctx)
-        logger.info(
-            "pdist: world communicator of %d ranks answered in %.2fs",
-            ctx.world_size,
-            time.monotonic() - start,
-        )
+        took = time.monotonic() - start
+        logger.info("pdist: world communicator of %d ranks answered in %.2fs", ctx.world_size, took)
         deadline.stage = "running the guarded block"
         yield
     finally:

@@ -1,8 +1,7 @@
 """Rank helpers: ``is_rank0``, ``is_local_rank0``, ``rank0_only``, ``rank0_first``, ``barrier``.
 
-``rank0_only`` and ``rank0_first`` come in two forms, told apart by their one
-argument: a callable is decorated directly (it takes the context first), while
-a ``DistContext`` or ``Group`` (never callable) makes a decorator for any callable.
+``rank0_only`` and ``rank0_first`` take a callable (decorated directly; it takes the
+context first) or a ``DistContext`` or ``Group`` (never callable: a decorator for any callable).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ class Rank0OnlyDecorator(Protocol):
 
     def __call__(self, fn: Callable[P, R], /) -> Callable[P, R | None]:
         """Wrap ``fn`` so that it runs on the group's first rank only."""
-        ...
 
 
 class Rank0FirstDecorator(Protocol):
@@ -37,14 +35,12 @@ class Rank0FirstDecorator(Protocol):
 
     def __call__(self, fn: Callable[P, R], /) -> Callable[P, R]:
         """Wrap ``fn`` so that it runs on the group's first rank, then on the others."""
-        ...
 
 
 def is_rank0(ctx: DistContext | Group) -> bool:
     """Whether the caller is rank 0: of the job for a context, of the group for a group.
 
-    ``is_rank0(ctx.tp)`` is true on every tp group's first rank, where
-    ``@rank0_only(ctx.tp)`` runs. No collective.
+    ``is_rank0(ctx.tp)`` is true on every tp group's first rank. No collective.
     """
     if isinstance(ctx, Group):
         return ctx.rank_in_group == 0
@@ -53,8 +49,6 @@ def is_rank0(ctx: DistContext | Group) -> bool:
 
 def is_local_rank0(ctx: DistContext) -> bool:
     """Whether the caller is the first rank of its host, in ``ctx.node`` (no collective).
-
-    For work done once per machine (a download to local disk, a cache fill).
 
     Raises:
         TypeError: ``ctx`` is not a :class:`~pdist.DistContext`.
@@ -87,8 +81,7 @@ def _first_then_others(group: Group, what: str, call: Callable[[], R]) -> R:
         try:
             result = call()
         except BaseException as exc:
-            # Tell the others, then raise rank 0's own error rather than the wrapper's.
-            with contextlib.suppress(RemoteError):
+            with contextlib.suppress(RemoteError):  # rank 0 raises its own error, not the wrapper's
                 _wire.broadcast_bytes(group, None, 0, error=exc, what=what)
             raise
         _wire.broadcast_bytes(group, b"", 0, what=what)
@@ -104,7 +97,7 @@ def _first_only(group: Group, what: str, call: Callable[[], R]) -> R | None:
 def _decorator(
     name: str, fn_or_ctx: object, run: Callable[[Group, str, Callable[[], Any]], Any]
 ) -> Any:
-    """Both forms of the decorator ``name``: ``run(group, what, call)`` makes each call."""
+    """Both forms of the decorator ``name``; ``run(group, what, call)`` makes each call."""
     if isinstance(fn_or_ctx, (DistContext, Group)):
         bound = as_group(fn_or_ctx)
 
@@ -156,10 +149,9 @@ def rank0_only(
 ) -> Rank0OnlyDecorator | Callable[Concatenate[DistContext, P], R | None]:
     """Decorator: run a function on one rank only; the other ranks get None.
 
-    ``@rank0_only`` on a function whose first argument is the context (or a
-    group) runs it on that group's first rank (global rank 0 for a context);
-    ``@rank0_only(ctx_or_group)`` does the same for any callable (a method, a
-    callback). No collective is involved, so the other ranks do not wait.
+    ``@rank0_only`` on a function whose first argument is the context (or a group) runs
+    it on that group's first rank; ``@rank0_only(ctx_or_group)`` does the same for any
+    callable (a method, a callback). No collective: the other ranks do not wait.
 
     Example::
 
@@ -189,9 +181,9 @@ def rank0_first(
 ) -> Rank0FirstDecorator | Callable[Concatenate[DistContext, P], R]:
     """Decorator: run a function on the first rank, then on every other rank.
 
-    For work one rank must do before the others can (a download, a cache fill),
-    in the two forms of :func:`rank0_only`. If the first rank raises, every
-    other rank raises :class:`~pdist.PdistError` naming its error instead of waiting.
+    For work one rank must do before the others can (a download), in the two forms of
+    :func:`rank0_only`. If the first rank raises, every other rank raises
+    :class:`~pdist.PdistError` naming its error instead of waiting.
 
     .. note:: Every rank of the group (the world, for a context) must call the
        wrapped function.

@@ -1,19 +1,15 @@
 """Building communicators: the world, one partition per axis, arbitrary rank lists, the mesh.
 
-Cost per rank stays O(W) at any world size. With an accelerator-bound default
-group (NCCL with ``device_id=``) a partition's device groups come from one
-``split_group`` over the world; otherwise every rank creates only its own
-block's group (``use_local_synchronization=True``). The gloo groups that carry
-metadata next to an accelerator backend are made by their members only and
-connect lazily (``TORCH_GLOO_LAZY_INIT``). A partition already built in the
-block (``node`` equal to ``tp``, ``dp`` equal to the world) reuses its groups.
+Cost per rank stays O(W). With an accelerator-bound default group a partition's
+device groups come from one ``split_group`` over the world; otherwise, and for the
+gloo metadata groups (which connect lazily), every rank creates only its own block's
+group. A partition already built in the block (``node`` equal to ``tp``) reuses its groups.
 
-torch names the groups of a local-synchronization ``new_group`` and of
-``split_group`` by hashing their ranks with the number of groups the process
-has registered so far, so members must agree on that count. Every partition
-build therefore registers the same number of groups on every rank: a rank that
-belongs to no block of :func:`new_group` still builds (and holds until the
-block exits) a group of its own.
+torch names the groups of a local-synchronization ``new_group`` and of ``split_group``
+by hashing their ranks with the number of groups the process has registered so far,
+so members must agree on that count. Every partition build therefore registers the
+same number of groups on every rank: a rank in no block of :func:`new_group` still
+builds (and holds until the block exits) a group of its own.
 """
 
 from __future__ import annotations
@@ -52,10 +48,16 @@ def _backend_of(pg: ProcessGroup) -> str:
     return str(dist.get_backend(pg)).lower()
 
 
-def _splits(world: Group) -> bool:
-    """Whether device groups are split from the world (an accelerator-bound default group)."""
-    pg = world.device_group
-    return world.device.type != "cpu" and _compat.bound_device(pg) is not None
+def _local_group(
+    ranks: list[int] | None, backend: str, timeout: timedelta, desc: str
+) -> ProcessGroup:
+    """A group made by its members only (``None``: every rank); gloo's connect lazily."""
+    lazy = _compat.gloo_lazy_init() if backend == "gloo" else contextlib.nullcontext()
+    with lazy:
+        pg: ProcessGroup = dist.new_group(
+            ranks, timeout=timeout, backend=backend, use_local_synchronization=True, group_desc=desc
+        )
+    return pg
 
 
 def build_world(
@@ -66,10 +68,7 @@ def build_world(
     lifetime: Lifetime,
     timeout: timedelta,
 ) -> Group:
-    """The ``world`` Group over the default process group (plus a gloo group when needed).
-
-    .. note:: Every rank of the job must call it.
-    """
+    """The ``world`` Group over the default process group (plus a gloo group when needed)."""
     world_pg = dist.group.WORLD
     if world_pg is None:
         msg = "the default process group is not initialized"
@@ -77,25 +76,24 @@ def build_world(
     device_key = lifetime.add(world_pg, created=False)
     cpu_key = device_key
     if _backend_of(world_pg) not in _SELF_CPU_BACKENDS:
-        with _compat.gloo_lazy_init():
-            cpu_pg = dist.new_group(
-                backend="gloo", timeout=timeout, use_local_synchronization=True, group_desc="world"
-            )
-        cpu_key = lifetime.add(cpu_pg, created=True)
+        cpu_key = lifetime.add(_local_group(None, "gloo", timeout, "world"), created=True)
     ranks = tuple(range(world_size))
-    world = Group(
-        name="world",
-        ranks=ranks,
+    built = lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
+    return _member("world", built, rank, device, lifetime)
+
+
+def _member(name: str, built: Built, rank: int, device: torch.device, lifetime: Lifetime) -> Group:
+    return Group(
+        name=name,
+        ranks=built.ranks,
         rank=rank,
-        rank_in_group=rank,
+        rank_in_group=built.ranks.index(rank),
         device=device,
-        timeout=timeout,
+        timeout=built.timeout,
         lifetime=lifetime,
-        device_key=device_key,
-        cpu_key=cpu_key,
+        device_key=built.device_key,
+        cpu_key=built.cpu_key,
     )
-    lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
-    return world
 
 
 def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
@@ -108,47 +106,22 @@ def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
     return (*blocks, *((r,) for r in extra)), set(extra)
 
 
-def _my_block(blocks: Blocks, rank: int) -> tuple[int, ...]:
-    for block in blocks:
-        if rank in block:
-            return block
-    msg = f"rank {rank} is in no block of the partition"  # _complete covers every rank
-    raise PdistError(msg)
-
-
 def _create(
     world: Group, blocks: Blocks, mine: tuple[int, ...], name: str, timeout: timedelta
 ) -> tuple[ProcessGroup, ProcessGroup]:
     """The device and CPU process groups of the caller's block ``mine``."""
     world_device = world.device_group
-    backend = _backend_of(world_device)
-    if _splits(world):
+    # An accelerator-bound default group splits every block's device group in one call.
+    if world.device.type != "cpu" and _compat.bound_device(world_device) is not None:
         device_pg = _compat.split_group(world_device, blocks, timeout=timeout, name=name)
         if device_pg is None:  # every rank is in a block (see _complete)
             msg = f"split_group gave rank {world.rank} no group for partition {name!r}"
             raise PdistError(msg)
     else:
-        with contextlib.ExitStack() as stack:
-            if backend == "gloo":
-                stack.enter_context(_compat.gloo_lazy_init())
-            device_pg = dist.new_group(
-                list(mine),
-                timeout=timeout,
-                backend=backend,
-                use_local_synchronization=True,
-                group_desc=name,
-            )
+        device_pg = _local_group(list(mine), _backend_of(world_device), timeout, name)
     if world.cpu_group is world_device:
         return device_pg, device_pg
-    with _compat.gloo_lazy_init():
-        cpu_pg = dist.new_group(
-            list(mine),
-            timeout=timeout,
-            backend="gloo",
-            use_local_synchronization=True,
-            group_desc=f"{name}_cpu",
-        )
-    return device_pg, cpu_pg
+    return device_pg, _local_group(list(mine), "gloo", timeout, f"{name}_cpu")
 
 
 def build_partition(
@@ -156,11 +129,8 @@ def build_partition(
 ) -> Group | None:
     """The caller's Group of a partition of the world into ``blocks``; None if it is in none.
 
-    ``blocks`` are disjoint lists of global ranks, the same on every rank (not
-    checked here). A partition already built in this block is reused, and the
-    Group then carries the timeout its communicators were built with.
-
-    .. note:: Every rank of the world must call it, in the same order as other group builds.
+    ``blocks``: disjoint lists of global ranks, the same on every rank (not checked here).
+    A partition built before is reused, with the timeout it was built with.
     """
     lifetime = world.lifetime
     lifetime.check_open()
@@ -168,25 +138,13 @@ def build_partition(
     built = lifetime.partitions.get(canonical)
     if built is None:
         full, extra = _complete(canonical, world.world_size)
-        mine = _my_block(full, world.rank)
+        mine = next(block for block in full if world.rank in block)  # _complete covers every rank
         device_pg, cpu_pg = _create(world, full, mine, name, timeout)
         device_key = lifetime.add(device_pg, created=True)
         cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
         built = Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
         lifetime.partitions[canonical] = built
-    if not built.member:
-        return None
-    return Group(
-        name=name,
-        ranks=built.ranks,
-        rank=world.rank,
-        rank_in_group=built.ranks.index(world.rank),
-        device=world.device,
-        timeout=built.timeout,
-        lifetime=lifetime,
-        device_key=built.device_key,
-        cpu_key=built.cpu_key,
-    )
+    return _member(name, built, world.rank, world.device, lifetime) if built.member else None
 
 
 def _require(group: Group | None, name: str) -> Group:
@@ -197,16 +155,9 @@ def _require(group: Group | None, name: str) -> Group:
 
 
 def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str, Group]:
-    """The ``tp``, ``sp``, ``dp`` and ``dp_sp`` groups of the caller (one build per partition).
+    """The caller's ``tp``, ``sp``, ``dp`` and ``dp_sp`` groups, once all ranks agree on the sizes.
 
-    Checks first, with one small all-reduce, that every rank asked for the same
-    sizes: ranks that build different partitions would otherwise each get a
-    group the others never join.
-
-    .. note:: Every rank of the world must call it.
-
-    Raises:
-        RankMismatchError: Ranks passed different ``tp`` or ``sp`` (on every rank).
+    Ranks that built different partitions would each get a group the others never join.
     """
     _agree.check_same(world, "distributed()", f"tp={layout.tp}, sp={layout.sp}", None)
     world.lifetime.subgroup_timeout = timeout
@@ -214,9 +165,6 @@ def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str,
         axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
         for axis in ("tp", "sp", "dp", "dp_sp")
     }
-
-
-# --------------------------------------------------------------------------- public
 
 
 def _check_ctx(ctx: object) -> DistContext:
@@ -241,9 +189,8 @@ def _patched(ctx: DistContext, group: Group, axis: str) -> DistContext:
 def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     """Yield a new context whose ``tp`` group is ``group``; ``ctx`` itself is untouched.
 
-    Nests freely (each level is a separate value) and nothing needs undoing when
-    the block raises. Use it to run a model with another TP degree, e.g. one
-    built with :func:`new_tp_group`.
+    Nests freely; nothing needs undoing when the block raises. Use it to run a model
+    with another TP degree, e.g. one built with :func:`new_tp_group`.
 
     Raises:
         TypeError: ``ctx`` or ``group`` has the wrong type.
@@ -256,9 +203,7 @@ def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
 def patch_sp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     """Yield a new context whose ``sp`` group is ``group``; ``ctx`` itself is untouched.
 
-    The counterpart of :func:`patch_tp` (FastVideo's promised
-    ``patch_sequence_parallel_group``): run a block with another sequence-parallel
-    group, e.g. one built with :func:`new_sp_group`.
+    The counterpart of :func:`patch_tp`, e.g. for a group from :func:`new_sp_group`.
 
     Raises:
         TypeError: ``ctx`` or ``group`` has the wrong type.
@@ -268,7 +213,7 @@ def patch_sp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
 
 
 def _subgroup_timeout(ctx: DistContext) -> timedelta:
-    """The timeout of groups built after start-up: the subgroups', not a reused world's."""
+    """The subgroups' timeout, not a reused world's."""
     return ctx.world.lifetime.subgroup_timeout or ctx.tp.timeout
 
 
@@ -291,9 +236,8 @@ def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) ->
 def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
     """Build tensor-parallel groups of ``size`` consecutive ranks over the whole world.
 
-    For a second model with another TP degree (use it with :func:`patch_tp`).
-    Asking twice for one size reuses the communicators; they live until the
-    ``distributed()`` block exits.
+    For a second model with another TP degree (use it with :func:`patch_tp`). Asking
+    twice for one size reuses the communicators; they live until the block exits.
 
     .. note:: Every rank of the world must call it, in the same order as other
        group creations.
@@ -313,8 +257,7 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
 def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
     """Build sequence-parallel groups of ``size`` consecutive ranks over the whole world.
 
-    As :func:`new_tp_group`, for a sequence-parallel group (use it with
-    :func:`patch_sp`); FastVideo's tp and sp are two such partitions.
+    As :func:`new_tp_group`, for a sequence-parallel group (use it with :func:`patch_sp`).
     """
     return _consecutive(ctx, size, name, f"sp{size}")
 
@@ -361,10 +304,9 @@ def _check_rank_lists(rank_lists: object, world_size: int) -> Blocks:
 def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: str) -> Group | None:
     """Build one group per list of global ranks; return the caller's, or None if it is in none.
 
-    The equivalent of ``init_model_parallel_group(group_ranks, ...)``: pipeline
-    stages, classifier-free-guidance pairs, strided groups. Lists must be
-    disjoint and increasing (torch orders a group's members by global rank),
-    and may leave ranks out.
+    For pipeline stages, classifier-free-guidance pairs, strided groups. Lists must be
+    disjoint and increasing (torch orders a group's members by global rank), and may
+    leave ranks out.
 
     .. note:: Every rank of the world must call it with the same lists, in the
        same order as other group creations.
@@ -386,8 +328,7 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
             non-empty str (on every rank).
         ValueError: The lists overlap, are empty, are not increasing or hold ranks
             outside the world (on every rank).
-        RankMismatchError: Ranks passed different lists, or only some ranks passed
-            bad ones (on every rank).
+        RankMismatchError: Ranks passed different lists, or only some passed bad ones.
         PdistError: The context is closed.
     """
     _check_ctx(ctx)
@@ -409,9 +350,8 @@ def _mesh_axes(axes: object) -> tuple[str, ...]:
     if isinstance(axes, str) or not isinstance(axes, tuple) or not axes:
         msg = f"axes={axes!r} must be None or a non-empty tuple of axis names such as ('dp',)"
         raise TypeError(msg)
-    order = {a: i for i, a in enumerate(GROUP_AXES)}
     for axis in axes:
-        if axis not in order:
+        if axis not in GROUP_AXES:
             msg = f"axes={axes!r}: {axis!r} is not one of {GROUP_AXES}"
             raise ValueError(msg)
     if len(set(axes)) != len(axes):
@@ -430,9 +370,8 @@ def _mesh_axes(axes: object) -> tuple[str, ...]:
 def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:
     """The ``(dp, sp, tp)`` layout of ``ctx``, checked to hold its groups on the ``names`` axes.
 
-    A context whose ``tp`` came from :func:`patch_tp` may hold groups that are
-    no axes of one mesh (FastVideo's tp and sp: two partitions into the same
-    blocks); a mesh built from them would pair each dim with the wrong group.
+    A context from :func:`patch_tp` may hold groups that are no axes of one mesh; a mesh
+    built from them would pair each dim with the wrong group.
     """
     fix = (
         "the context's groups do not form one (dp, sp, tp) mesh (is ctx.tp a group from "
@@ -459,14 +398,10 @@ def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:
 def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
     """A ``DeviceMesh`` over the context's own groups: the full ``(dp, sp, tp)`` mesh or a sub-mesh.
 
-    ``axes=None`` gives the 3-D mesh named ``("dp", "sp", "tp")``; axis names
-    give the caller's sub-mesh, ready for FSDP2: ``("dp",)``, ``("dp_sp",)``,
-    ``("dp", "sp")`` (HSDP), ``("tp",)``. On 4 ranks with ``tp=2``, rank 1 gets
-    for ``("dp_sp",)`` the mesh ``[1, 3]``. No new communicator; release the
-    mesh before the ``distributed()`` block exits. Several axes need groups
-    that are the axes of one layout: a context whose ``tp`` came from
-    :func:`patch_tp` with another partition is refused, not given a mesh whose
-    dims hold the wrong groups.
+    ``axes=None`` gives the 3-D mesh named ``("dp", "sp", "tp")``; axis names give the
+    caller's sub-mesh, ready for FSDP2: ``("dp",)``, ``("dp_sp",)``, ``("dp", "sp")``
+    (HSDP), ``("tp",)``. On 4 ranks with ``tp=2``, rank 1 gets for ``("dp_sp",)`` the
+    mesh ``[1, 3]``. No new communicator; release the mesh before the block exits.
 
     Args:
         ctx: The context.
@@ -486,16 +421,10 @@ def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
         return _compat.device_mesh_from_group(group.device_group, ctx.device.type, ranks, names)
     layout = _mesh_layout(ctx, names)
     grid = torch.arange(ctx.world_size, dtype=torch.int).view(layout.dp, layout.sp, layout.tp)
-    d, s, t = layout.coords(ctx.rank)
-    if "dp_sp" in names:
-        grid = grid.reshape(layout.dp * layout.sp, layout.tp)
-        index: list[Any] = [slice(None), slice(None) if "tp" in names else t]
+    if "dp_sp" in names:  # with two or more axes: ("dp_sp", "tp")
+        mesh = grid.reshape(layout.dp * layout.sp, layout.tp)
     else:
-        index = [
-            slice(None) if "dp" in names else d,
-            slice(None) if "sp" in names else s,
-            slice(None) if "tp" in names else t,
-        ]
-    mesh = grid[tuple(index)].contiguous()
+        coords = zip(AXES, layout.coords(ctx.rank), strict=True)
+        mesh = grid[tuple(slice(None) if axis in names else c for axis, c in coords)].contiguous()
     groups = [getattr(ctx, axis).device_group for axis in names]  # two or more
     return _compat.device_mesh_from_group(groups, ctx.device.type, mesh, names)

@@ -1,14 +1,12 @@
 """Which ranks share a host (O(W) host records, verified through shared memory) and CPU affinity.
 
-Host detection gathers one fixed-size record per rank (the kernel's boot id,
-the device and inode of ``/dev/shm``, the hostname and a probe name): 160
-bytes per rank, whatever the world size. Ranks with equal ``(boot id, /dev/shm
-device, inode)`` see the same tmpfs, which is what sharing memory on one host
-means (two containers with private ``/dev/shm`` mounts differ in the device).
-That is then verified where it matters, among the candidates only: every rank
-creates a probe segment, opens those of its same-host candidates, and one
-small all-reduce agrees on the verdict. Three collectives of fixed size per
-rank, no W x W structure anywhere.
+Host detection gathers one fixed-size record per rank (the kernel's boot id, the
+device and inode of ``/dev/shm``, the hostname and a probe name). Ranks with equal
+``(boot id, /dev/shm device, inode)`` see the same tmpfs, which is what sharing memory
+on one host means (containers with private ``/dev/shm`` mounts differ in the device).
+That is verified among the candidates only: every rank creates a probe segment, opens
+those of its same-host candidates, and one small all-reduce agrees on the verdict.
+Three collectives of fixed size per rank, no W x W structure anywhere.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ logger = logging.getLogger("pdist")
 # magic, version, status, /dev/shm device, /dev/shm inode, boot id, hostname, probe name
 _RECORD = struct.Struct("<4sHHQQ36s64s32s4x")
 RECORD_BYTES = _RECORD.size
-"""Bytes each rank contributes to host detection."""
 
 _MAGIC = b"PDHR"
 _VERSION = 1
@@ -80,14 +77,11 @@ def _my_record(probe: str) -> bytes:
 
 
 def _gather_records(group: Group, mine: bytes) -> bytes:
-    """Every member's record, rank-major: one all-gather of fixed size on the CPU group."""
-    n = group.world_size
-    if n == 1:
+    """Every member's record, rank-major."""
+    if group.world_size == 1:
         return mine
-    pg = group.cpu_group
-    out = torch.empty(n * RECORD_BYTES, dtype=torch.uint8)
-    src = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    all_gather_into(out, src, pg)
+    out = torch.empty(group.world_size * RECORD_BYTES, dtype=torch.uint8)
+    all_gather_into(out, torch.frombuffer(bytearray(mine), dtype=torch.uint8), group.cpu_group)
     return bytes_of(out)
 
 
@@ -129,17 +123,7 @@ def _probe_matches(name: str) -> bool:
 def host_blocks(group: Group) -> list[tuple[int, ...]]:
     """The members of ``group`` by host, as blocks of global ranks ordered by first rank.
 
-    Three collectives of fixed size per rank on the CPU group: the records, a
-    barrier after every probe segment exists, and the verdict. Each rank's
-    probe segment exists only between the last two, and is unlinked on every
-    path.
-
-    .. note:: All ranks of the group must call it; all get the same blocks.
-
-    Raises:
-        PdistError: On every rank, when a rank cannot use its shared-memory
-            directory or create its probe, or when ranks that report one host
-            cannot open each other's probe (naming the rank).
+    All ranks of the group must call it; all get the same blocks, or the same PdistError.
     """
     probe = uuid.uuid4().hex
     records = _parse(group, _gather_records(group, _my_record(probe)))
@@ -186,35 +170,26 @@ def host_blocks(group: Group) -> list[tuple[int, ...]]:
 def same_node_ranks(group: Group | DistContext, source_rank: int = 0) -> list[int]:
     """Global ranks of ``group`` that share a host with member ``source_rank`` (group-relative).
 
-    Found through shared memory, not hostnames or environment variables
-    (see the module's notes): three collectives of fixed size per rank.
+    Found through shared memory, not hostnames or environment variables.
 
     .. note:: All ranks of the group must call it; all get the same list.
 
     Args:
         group: The group (a context means its world).
-        source_rank: Group index of the member whose host is asked for (like every
-            ``src`` in pdist, an index into ``group.ranks``, not a global rank).
+        source_rank: Group index of the member whose host is asked for (an index into
+            ``group.ranks``, not a global rank).
 
     Raises:
         ValueError: ``source_rank`` is outside the group.
-        PdistError: On every rank, when host detection fails (see :func:`host_blocks`).
+        PdistError: On every rank, when host detection fails (``/dev/shm`` unusable).
     """
     g = as_group(group)
     wanted = g.global_rank(source_rank, name="source_rank")
-    for block in host_blocks(g):
-        if wanted in block:
-            return list(block)
-    return [wanted]  # unreachable: the blocks cover the group
+    return next(list(block) for block in host_blocks(g) if wanted in block)
 
 
 def node_partition(group: Group) -> list[tuple[int, ...]]:
-    """The hosts of ``group`` as blocks of global ranks, checked to hold equal numbers of ranks.
-
-    Raises:
-        PdistError: On every rank, when hosts hold different numbers of ranks
-            or host detection fails.
-    """
+    """The hosts of ``group`` as blocks of global ranks, checked to hold equal numbers of ranks."""
     partition = host_blocks(group)
     sizes = {len(block) for block in partition}
     if len(sizes) > 1:
@@ -243,25 +218,15 @@ def _nvml_device_id(device_index: int, environ: Mapping[str, str]) -> int | str:
     return int(entry) if entry.isdigit() else entry
 
 
-def _cpus_from_masks(masks: Iterable[int], bits: int = 64) -> frozenset[int]:
+def _cpus_from_masks(masks: Iterable[int]) -> frozenset[int]:
     return frozenset(
-        word * bits + bit
-        for word, mask in enumerate(masks)
-        for bit in range(bits)
-        if mask >> bit & 1
+        word * 64 + bit for word, mask in enumerate(masks) for bit in range(64) if mask >> bit & 1
     )
 
 
 @contextlib.contextmanager
 def nvml_handle(device_index: int) -> Iterator[tuple[Any, Any]]:
-    """``(pynvml, handle)`` of torch's CUDA device ``device_index``, NVML initialized meanwhile.
-
-    The index is mapped through ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs).
-
-    Raises:
-        ValueError: ``device_index`` is beyond ``CUDA_VISIBLE_DEVICES``.
-        PdistError: NVML is not available or does not know the device.
-    """
+    """``(pynvml, handle)`` of torch's CUDA device ``device_index``, NVML initialized meanwhile."""
     try:
         import pynvml
     except ImportError as exc:
@@ -290,8 +255,7 @@ def nvml_handle(device_index: int) -> Iterator[tuple[Any, Any]]:
 def gpu_cpu_affinity(device_index: int) -> frozenset[int]:
     """The CPUs NVML reports as close to torch's CUDA device ``device_index``.
 
-    The index is mapped through ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) to
-    the physical device.
+    The index is mapped through ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs).
 
     Raises:
         ValueError: ``device_index`` is beyond ``CUDA_VISIBLE_DEVICES``.
@@ -310,8 +274,7 @@ def gpu_cpu_affinity(device_index: int) -> frozenset[int]:
 def set_cpu_affinity(cpus: Iterable[int]) -> frozenset[int]:
     """Pin this process to ``cpus``, restricted to the CPUs it is allowed to use.
 
-    ``cpus`` may be any iterable (it is read once). When none of ``cpus`` is
-    allowed it logs a warning and keeps the current set.
+    When none of ``cpus`` is allowed it logs a warning and keeps the current set.
 
     Returns:
         The CPUs the process is pinned to afterwards.
@@ -327,23 +290,18 @@ def set_cpu_affinity(cpus: Iterable[int]) -> frozenset[int]:
     allowed = frozenset(os.sched_getaffinity(0))
     wanted = requested & allowed
     if not wanted:
-        logger.warning(
+        msg = (
             "pdist: none of the CPUs %s is allowed for this process (allowed: %s); "
-            "keeping the current affinity",
-            sorted(requested),
-            sorted(allowed),
+            "keeping the current affinity"
         )
+        logger.warning(msg, sorted(requested), sorted(allowed))
         return allowed
     os.sched_setaffinity(0, wanted)
     return wanted
 
 
 def apply_gpu_affinity(device: torch.device) -> frozenset[int] | None:
-    """Pin to the CPUs near ``device`` when NVML can tell; a warning says why not otherwise.
-
-    Returns:
-        The affinity before, to restore on exit; None when nothing was changed.
-    """
+    """Pin to the CPUs near ``device``; returns the affinity before (None: nothing changed)."""
     if device.type != "cuda" or device.index is None:
         return None
     try:
@@ -353,11 +311,10 @@ def apply_gpu_affinity(device: torch.device) -> frozenset[int] | None:
         # then fail after the others entered the block, so it is a warning like NVML's.
         set_cpu_affinity(cpus)
     except (PdistError, ValueError, OSError) as exc:
-        logger.warning(
+        msg = (
             "pdist: not pinning CPU affinity for %s: %s (pass cpu_affinity=False to "
-            "distributed() to skip this)",
-            device,
-            exc,
+            "distributed() to skip this)"
         )
+        logger.warning(msg, device, exc)
         return None
     return before
