@@ -1,15 +1,11 @@
 """Every torch private or version-dependent API pdist uses, probed once at import (a leaf).
 
-pdist runs on torch 2.6 and newer. What differs across that range is decided
-here, once, and the rest of the package asks this module instead of torch:
+What differs across the supported torch range is decided here, once:
 ``FEATURES`` says what this torch offers (``python -m pdist doctor`` prints
-it), and the functions below take the branch that works on it. A feature a
-torch cannot support raises :func:`unsupported`'s error, naming the feature,
-this torch and the first one that has it.
-
-Where a probe would have to call the API to learn whether it works (a call
-that crashes the process on an older torch), the decision is by version, and
-the comment names what breaks there.
+it), and the functions below take the branch that works on it. Where a probe
+would have to call the API to learn whether it works (a call that crashes the
+process on an older torch), the decision is by version, and the comment names
+what breaks there.
 """
 
 from __future__ import annotations
@@ -80,10 +76,7 @@ def parse_version(text: str) -> tuple[int, int]:
 
 
 TORCH = parse_version(torch.__version__)
-"""This torch as ``(major, minor)``."""
-
-MIN_TORCH = (2, 6)
-"""The oldest torch pdist supports (the floor its CI runs on)."""
+MIN_TORCH = (2, 6)  # the oldest torch pdist supports (the floor its CI runs on)
 
 _FUNCOL_MODULE = "torch.distributed._functional_collectives"
 _c10d: Any = torch._C._distributed_c10d
@@ -96,46 +89,24 @@ _REGISTER_NEEDS_PY_WORK = TORCH < (2, 13)
 
 @attrs.frozen(kw_only=True)
 class Features:
-    """What this torch offers, as probed at import.
-
-    Attributes:
-        torch: The version, ``(major, minor)``.
-        async_results: How async collective results are registered: ``"native"``, or
-            ``"python work"`` (each work wrapped in a Python ``Work`` first).
-        tensor_collective_names: ``"*_single"`` (torch 2.13's names) or ``"*_tensor"``.
-        split_group: ``torch.distributed.split_group`` exists (used on NCCL).
-        device_mesh_from_group: ``DeviceMesh.from_group`` exists.
-        accelerator_api: ``torch.accelerator`` exists.
-        flight_recorder: The recorder's dump function: ``"_dump_fr_trace"`` (every
-            backend, gloo included), ``"_dump_nccl_trace"`` (NCCL only) or None.
-        flight_recorder_env: The variable that sizes the recorder's buffer.
-        store_clone: ``Store.clone()`` exists (a second connection to the store).
-        sparse_check_pinning: torch's sparse validators take ``check_pinning=``.
-        fsdp2_on_cpu: FSDP2 runs on CPU tensors (its CPU streams record events, 2.7+).
-    """
+    """What this torch offers, as probed at import (by ``_probe``)."""
 
     torch: tuple[int, int]
-    async_results: str
+    async_results: str  # "native", or "python work": each work wrapped in a Python Work first
     tensor_collective_names: str
     split_group: bool
     device_mesh_from_group: bool
     accelerator_api: bool
+    # "_dump_fr_trace" (every backend, gloo included), "_dump_nccl_trace" (NCCL only) or None
     flight_recorder: str | None
-    flight_recorder_env: str
-    store_clone: bool
+    flight_recorder_env: str  # the variable that sizes the recorder's buffer
+    store_clone: bool  # a second connection to the store
     sparse_check_pinning: bool
     fsdp2_on_cpu: bool
 
     def summary(self) -> list[str]:
         """One ``name: value`` line per feature (what ``pdist doctor`` prints)."""
         return [f"{f.name}: {getattr(self, f.name)}" for f in attrs.fields(type(self))]
-
-
-def _flight_recorder() -> str | None:
-    for name in ("_dump_fr_trace", "_dump_nccl_trace"):
-        if hasattr(_c10d, name):
-            return name
-    return None
 
 
 def _sparse_takes_check_pinning() -> bool:
@@ -150,7 +121,9 @@ def _sparse_takes_check_pinning() -> bool:
 def _probe() -> Features:
     from torch.distributed.device_mesh import DeviceMesh
 
-    recorder = _flight_recorder()
+    recorder = next((n for n in ("_dump_fr_trace", "_dump_nccl_trace") if hasattr(_c10d, n)), None)
+    # torch renamed TORCH_NCCL_TRACE_BUFFER_SIZE when the recorder learned other backends.
+    env = "TORCH_FR_BUFFER_SIZE" if recorder == "_dump_fr_trace" else "TORCH_NCCL_TRACE_BUFFER_SIZE"
     return Features(
         torch=TORCH,
         async_results="python work" if _REGISTER_NEEDS_PY_WORK else "native",
@@ -159,12 +132,7 @@ def _probe() -> Features:
         device_mesh_from_group=hasattr(DeviceMesh, "from_group"),
         accelerator_api=hasattr(torch, "accelerator"),
         flight_recorder=recorder,
-        # torch renamed TORCH_NCCL_TRACE_BUFFER_SIZE when the recorder learned other backends.
-        flight_recorder_env=(
-            "TORCH_FR_BUFFER_SIZE"
-            if recorder == "_dump_fr_trace"
-            else "TORCH_NCCL_TRACE_BUFFER_SIZE"
-        ),
+        flight_recorder_env=env,
         store_clone=hasattr(Store, "clone"),
         sparse_check_pinning=_sparse_takes_check_pinning(),
         # FSDP2 records events on its streams; torch 2.6's CPU stream cannot.
@@ -173,7 +141,6 @@ def _probe() -> Features:
 
 
 FEATURES = _probe()
-"""What this torch offers (probed once, at import)."""
 
 
 def unsupported(feature: str, minimum: tuple[int, int]) -> PdistError:
@@ -183,8 +150,6 @@ def unsupported(feature: str, minimum: tuple[int, int]) -> PdistError:
     msg = f"{feature} needs torch >= {need}; this is torch {have} ({torch.__version__})"
     return PdistError(msg)
 
-
-# --------------------------------------------------------------------------- collectives
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn there).
 _ALL_GATHER = (
@@ -198,10 +163,7 @@ _REDUCE_SCATTER = (
 def all_gather_into(
     out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool = False
 ) -> Any:
-    """All-gather ``mine`` from every rank into the contiguous ``out`` (rank-major).
-
-    Returns the work handle when ``async_op``.
-    """
+    """All-gather ``mine`` from every rank into the contiguous ``out`` (rank-major)."""
     # Looked up per call: the scale simulation counts these calls by wrapping torch's function.
     return getattr(dist, _ALL_GATHER)(out, mine, group=pg, async_op=async_op)
 
@@ -219,11 +181,7 @@ def funcol() -> Any:
 
 
 def functional_ops() -> Any:
-    """Torch's functional collective ops (``torch.ops._c10d_functional``), which trace.
-
-    Each returns its result at once; ``wait_tensor`` waits for it. pdist calls
-    them directly (not funcol's wrappers, which wait again while tracing).
-    """
+    """Torch's functional collective ops, which trace (not funcol's wrappers: they wait again)."""
     return torch.ops._c10d_functional
 
 
@@ -241,9 +199,7 @@ class _PyWork(dist._Work):  # type: ignore[misc,name-defined]  # torch's Work is
         self._work = work
 
     def wait(self, timeout: Any = None) -> bool:
-        if timeout is None:
-            return bool(self._work.wait())
-        return bool(self._work.wait(timeout))
+        return bool(self._work.wait() if timeout is None else self._work.wait(timeout))
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
@@ -262,9 +218,6 @@ def work_from_future(future: Any) -> Any:
     return _c10d._create_work_from_future(future)
 
 
-# --------------------------------------------------------------------------- groups
-
-
 def split_group(
     parent: dist.ProcessGroup, blocks: Sequence[Sequence[int]], *, timeout: Any, name: str
 ) -> dist.ProcessGroup | None:
@@ -281,11 +234,7 @@ def bound_device(pg: dist.ProcessGroup) -> Any:
 
 @contextlib.contextmanager
 def gloo_lazy_init() -> Iterator[None]:
-    """Create gloo groups that connect pairs on first use (unless the user chose a mode).
-
-    Every member of a pdist gloo group creates it under the same setting, which
-    gloo requires. Restores the environment afterwards.
-    """
+    """Create gloo groups that connect pairs on first use (unless the user chose a mode)."""
     if "TORCH_GLOO_LAZY_INIT" in os.environ:
         yield
         return
@@ -332,14 +281,11 @@ def dtensor_type() -> type | None:
 
 def fsdp_module_type() -> type | None:
     """FSDP2's ``FSDPModule`` class (``torch.distributed.fsdp`` since 2.6)."""
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        try:
-            found = getattr(importlib.import_module(name), "FSDPModule", None)
-        except ImportError:
-            continue
-        if isinstance(found, type):
-            return found
-    return None
+    try:
+        found = getattr(importlib.import_module("torch.distributed.fsdp"), "FSDPModule", None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
 
 
 def fsdp_param_groups(module: Any) -> list[Any]:
@@ -352,22 +298,12 @@ def fsdp_param_groups(module: Any) -> list[Any]:
     return list(groups)
 
 
-# --------------------------------------------------------------------------- flight recorder
-
-
 def dump_flight_recorder(*, collectives: bool = True, stacks: bool = True) -> dict[str, Any] | None:
-    """This process's flight recorder: its groups' sequence numbers and recorded collectives.
+    """This process's flight recorder (``pg_status``, and ``entries`` with ``collectives``).
 
-    ``pg_status`` maps each group's ``pg_id`` (as a string) to its last
-    enqueued / started / completed sequence numbers; with ``collectives``,
-    ``entries`` lists the recorded collectives (``pg_id``, ``process_group``
-    as ``(name, desc)``, ``collective_seq_id``, ``profiling_name``, sizes,
-    dtypes, wall-clock ``time_created_ns``, ``retired``). ``stacks`` adds each
-    entry's Python ``frames``: torch symbolizes them through ``torch._dynamo``,
-    so the first such dump of a process imports it (seconds); polls leave it off.
-
-    None where the recorder holds nothing this torch can dump for every backend
-    (torch 2.6 dumps NCCL only) or fails to dump.
+    None where this torch cannot dump every backend (2.6: NCCL only) or the dump fails.
+    ``stacks`` symbolizes frames through ``torch._dynamo``, imported by the first such dump
+    (seconds): polls leave it off.
     """
     name = FEATURES.flight_recorder
     if name is None:
@@ -386,20 +322,12 @@ def recorder_sees_gloo() -> bool:
     return FEATURES.flight_recorder == "_dump_fr_trace"
 
 
-# --------------------------------------------------------------------------- stores
-
-
 def store_connection(store: Store) -> Store | None:
     """A store that reaches ``store``'s keys without sharing its connection, or None.
 
-    A TCP store serializes the calls of one connection: a thread blocked in
-    ``wait`` there would block every other call on it. ``Store.clone()``
-    gives a second connection (torch 2.7+); before it, a TCP store gets a
-    second client to the same address. A hash store (in-process) is safe to
-    share and comes back as it is. None for a file store, whose ``wait``
-    re-reads its file every few milliseconds (traffic while nothing happens),
-    and for a ``PrefixStore`` on a torch without ``clone`` (its prefix cannot
-    be read back there).
+    A thread blocked in ``wait`` on a TCP store blocks every other call on that connection.
+    A hash store (in-process) is safe to share. None for a file store, whose ``wait`` polls
+    its file, and for a ``PrefixStore`` without ``clone`` (its prefix cannot be read back).
     """
     if isinstance(store, _c10d.FileStore):
         return None
@@ -415,15 +343,8 @@ def store_connection(store: Store) -> Store | None:
     return store
 
 
-# --------------------------------------------------------------------------- unpickling
-
-
 def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:
-    """Unpickle ``data`` through torch's ``weights_only`` allow-list plus the ``extra`` classes.
-
-    Raises:
-        pickle.UnpicklingError: The data names something the allow-list refuses.
-    """
+    """Unpickle ``data`` through torch's ``weights_only`` allow-list plus the ``extra`` classes."""
     import io
 
     from torch import _weights_only_unpickler
@@ -459,23 +380,17 @@ def validate_sparse(t: torch.Tensor) -> None:
     )
 
 
-# --------------------------------------------------------------------------- CUDA runtime
-
 _CUDA_LIMIT_MAX_L2_FETCH_GRANULARITY = 0x05  # cudaLimitMaxL2FetchGranularity
 
 
 def _cudart() -> Any:
     """The CUDA runtime library torch loaded (a CUDA build loads it at import), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = [line.split()[-1] for line in maps if "/libcudart.so" in line]
-    except OSError:
-        paths = []
+    paths: list[str] = []
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        paths = [line.split()[-1] for line in maps if "/libcudart.so" in line]
     for name in [*paths[:1], "libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
-        try:
+        with contextlib.suppress(OSError):
             return ctypes.CDLL(name)
-        except OSError:
-            continue
     return None
 
 
@@ -491,11 +406,7 @@ def l2_fetch_granularity() -> int | None:
 
 
 def set_l2_fetch_granularity(nbytes: int) -> str | None:
-    """Set the current device's L2 fetch granularity; None on success, else why not.
-
-    Goes through the CUDA runtime torch already loaded, and reads the limit back
-    (``cudaDeviceGetLimit``): the driver may round or refuse it.
-    """
+    """Set the current device's L2 fetch granularity, read back; None on success, else why not."""
     lib = _cudart()
     if lib is None:
         return "the CUDA runtime library (libcudart) is not loaded"

@@ -24,16 +24,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class InFlight:
-    """pdist's own record of the collectives the block is in: where the flight recorder is blind.
+    """The calls of one block, kept by :func:`recorded` while :attr:`active` (the watch is on).
 
-    torch's flight recorder records every collective, but not gloo's on torch
-    2.6 and never gloo's point-to-point ones; the stall watch then reads this
-    instead. :func:`recorded` keeps it: one call per decorated pdist function,
-    and only while :attr:`active` (the watch is on). ``current`` is the
-    innermost call in flight, ``(group key, op, seq, sizes, dtype, start ns)``;
-    ``entered`` counts the calls per group key (pdist's own sequence numbers),
-    ``finished`` keeps each group's last finished call. One thread (the one
-    running the block) writes; the watch only reads.
+    ``current`` is the innermost call in flight, ``(group key, op, seq, sizes,
+    dtype, start ns)``; ``entered`` counts the calls per group key (pdist's own
+    sequence numbers), ``finished`` keeps each group's last finished call. One
+    thread (the one running the block) writes; the watch only reads.
     """
 
     __slots__ = ("active", "current", "entered", "finished")
@@ -76,13 +72,9 @@ class InFlight:
 
 
 def recorded(op: str, *, p2p: bool = False) -> Callable[[F], F]:
-    """Decorate a pdist function taking a group first: its calls go into :class:`InFlight`.
+    """Record a pdist function's calls (``op``, or the call's ``what=``) where torch cannot.
 
-    Returns the function itself where torch's flight recorder sees the call
-    (gloo collectives from torch 2.7): nothing is added to its path there.
-    Elsewhere, one check of the block's record per call, and the record only
-    while the stall watch is on. ``op`` names the call, unless the call passes
-    ``what=``; ``p2p`` marks a point-to-point call (never in gloo's recorder).
+    ``p2p`` marks a point-to-point call (never in gloo's recorder).
     """
 
     def decorate(fn: F) -> F:
@@ -94,11 +86,9 @@ def recorded(op: str, *, p2p: bool = False) -> Callable[[F], F]:
             g = getattr(group, "world", group)  # a context's world, or the group itself
             # A bad group is the function's own error to raise; a traced call has no time.
             lifetime = getattr(g, "lifetime", None)
-            if lifetime is None or torch.compiler.is_compiling():
+            if lifetime is None or torch.compiler.is_compiling() or not lifetime.in_flight.active:
                 return fn(group, *args, **kwargs)
             record = lifetime.in_flight
-            if not record.active:
-                return fn(group, *args, **kwargs)
             outer = record.enter(g, kwargs.get("what", op), args[0] if args else None)
             try:
                 return fn(group, *args, **kwargs)

@@ -1,8 +1,7 @@
 """Same-host fast path: a shared-memory ring buffer for object broadcasts from a group's first rank.
 
-Inference engines broadcast a small scheduling object to every worker on every
-step, where a socket collective's latency dominates. Here the group's first
-rank (the writer) puts each message in a ring in ``/dev/shm``; readers copy it.
+Inference engines broadcast a small object to every worker on every step, where
+a socket collective's latency dominates: here it goes through ``/dev/shm``.
 
 Ring layout, every part on its own 64-byte line: a header (magic, readers,
 chunk_bytes, chunks), one ``u64`` per reader (the last message it consumed),
@@ -20,14 +19,12 @@ aligned 8-byte ``memcpy`` (one ``mov``), and each access is a separate C call
 the compiler cannot move; so there the words are plain memory, at a hundredth
 of a ctypes call's cost. Other CPUs call libatomic's ``__atomic_store_8`` /
 ``__atomic_load_8`` (through ctypes) with ``__ATOMIC_RELEASE`` /
-``__ATOMIC_ACQUIRE``: on aarch64, ``stlr`` and ``ldar`` (read off Debian's
-GCC 12 libatomic). Without libatomic such a CPU refuses to start the queue,
-naming the package to install.
+``__ATOMIC_ACQUIRE`` (on aarch64, ``stlr`` and ``ldar``). Without libatomic
+such a CPU refuses to start the queue, naming the package to install.
 
 Set-up fails together: arguments and pids are exchanged first, and the segment
 has a name only between two status rounds. A failure of the queue itself (a
-timeout, a dead peer, a corrupt slot) poisons it. A broadcast whose slot is
-ready at once builds no closure and polls no peer.
+timeout, a dead peer, a corrupt slot) poisons it.
 """
 
 from __future__ import annotations
@@ -165,11 +162,7 @@ class _Watch:
 
 
 class _MessageQueue:
-    """One rank's :class:`~pdist._group.HeaderTransport`: the writer (group index 0) or a reader.
-
-    A lock serializes the rank's broadcasts and :meth:`close`: a thread never
-    reads an unmapped ring, and two threads never interleave messages.
-    """
+    """One rank's :class:`~pdist._group.HeaderTransport`: the writer (group index 0) or a reader."""
 
     def __init__(self, group: Group, region: Any, atomics: _Atomics, idle: float | None, pids: Any):
         self._g, self._region, self._idle = group, region, idle
@@ -184,6 +177,7 @@ class _MessageQueue:
         self._seq = 0  # the last message written or consumed (the first is 1)
         self._failure: str | None = None
         self._closed = self._released = False
+        # Serializes broadcasts and close: no thread reads an unmapped ring or interleaves messages.
         self._lock = threading.Lock()
 
     def broadcast_bytes(
@@ -195,13 +189,7 @@ class _MessageQueue:
         error: BaseException | None = None,
         what: str = "broadcast",
     ) -> bytes:
-        """Like ``_wire.broadcast_bytes``, through the ring (``src`` must be 0).
-
-        Raises:
-            ValueError: ``src`` is not 0.
-            PdistError: Either block exited, the queue failed earlier, or this call failed
-                (then it is poisoned); a ``RemoteError`` (still usable): the writer's error.
-        """
+        """``_wire.broadcast_bytes`` through the ring; a failure but a RemoteError poisons it."""
         if type(src) is not int or src:
             group.global_rank(src)  # a TypeError or ValueError of its own first
             if src != 0:
@@ -326,10 +314,7 @@ class _MessageQueue:
     def _wait(
         self, ready: _Test, timeout: float | None, limit: str, text: _Text, what: str
     ) -> None:
-        """Spin, yield, then sleep in growing steps until ``ready()``, for ``timeout`` at most.
-
-        Checks the peers every half second; logs every minute (or group timeout, if shorter).
-        """
+        """Spin, yield, then sleep in growing steps until ``ready()``, for ``timeout`` at most."""
         g, start = self._g, time.monotonic()
         every = min(_LOG_SECONDS, self._timeout)
         next_check, next_log, sleep = start + _PEER_CHECK_SECONDS, start + every, 1e-6
@@ -378,9 +363,6 @@ class _MessageQueue:
                     self._region.close()
                 for fd in (w.fd for w in self._watches if w.fd is not None):
                     os.close(fd)
-
-
-# --------------------------------------------------------------------------- set-up
 
 
 class _Plan(NamedTuple):
@@ -449,8 +431,7 @@ def _plan(g: Group, chunk_bytes: int, chunks: int, error: BaseException | None) 
             f"are on another host than rank {g.ranks[0]}"
         )
         raise PdistError(msg)
-    path = os.path.join(shm_dir(), segment)
-    return _Plan(chunk_bytes, chunks, path, pids if known else None)
+    return _Plan(chunk_bytes, chunks, os.path.join(shm_dir(), segment), pids if known else None)
 
 
 def _map(g: Group, plan: _Plan) -> mmap.mmap:
@@ -556,13 +537,9 @@ def message_queue(
 
     :func:`~pdist.broadcast_object` and the metadata of
     :func:`~pdist.broadcast_tensor_dict` go through a ring of ``chunks`` slots
-    of ``chunk_bytes`` in ``/dev/shm`` (reserved in full here); a larger
-    message goes over the CPU group. The writer waits for a slot at most the
-    group's timeout; a reader waits ``idle_timeout`` (an inference worker may
-    idle for hours), logging every minute; either notices a dead peer within
-    a second. After the queue's own failure (a timeout, a dead peer, a
-    corrupt slot) every later broadcast raises; an error the writer sends
-    leaves it usable.
+    of ``chunk_bytes`` in ``/dev/shm``; a larger message goes over the CPU
+    group. The writer waits for a slot at most the group's timeout, a reader
+    ``idle_timeout``; either notices a dead peer within a second.
 
     .. note:: Every rank of the group must enter it, with the same
        ``chunk_bytes`` and ``chunks``; broadcasts on the yielded group must

@@ -1,31 +1,22 @@
 """The stall watch: a collective waiting past ``stall_timeout`` produces one report of who is where.
 
-Detection. A thread per rank (``pdist-stall``) polls this process's own
-view: torch's flight recorder (each group's last enqueued and completed
-sequence numbers, a read of a few hundred bytes), and where the recorder is
-blind (gloo on torch 2.6, gloo's point-to-point calls) pdist's own record of
-its calls in flight (:class:`~pdist._group.InFlight`). No collective, no
-store traffic while healthy. A group whose completed number has not moved
+A thread per rank (``pdist-stall``) polls this process's own view: torch's
+flight recorder (each group's last enqueued and completed sequence numbers),
+and where the recorder is blind (gloo on torch 2.6, gloo's point-to-point
+calls) pdist's own record (:class:`~pdist._inflight.InFlight`); no collective,
+no store traffic while healthy. A group whose completed number has not moved
 for ``stall_timeout`` while a collective is enqueued is a stall.
 
-The store protocol (keys under the block's prefix, ``pdist/block/<n>/stall/``):
-
-1. Each rank's second thread (``pdist-stall-answer``) blocks, on a store
-   connection of its own, in ``wait(wake/<rank>/<round>)``.
-2. The first rank to see a stall takes ``claim/<round>`` (``add`` returns 1)
-   and sets every rank's ``wake`` key of that round.
-3. Each woken rank writes its record (JSON: main-thread stack, per group its
-   sequence numbers and oldest collective in flight) to
-   ``answer/<round>/<rank>`` and counts itself in ``count/<round>``.
-4. The requester reads the answers once all counted or after the answer wait
-   (``PDIST_STALL_ANSWER_SEC``, 10 s), writes the report to ``report/<round>``
-   and a verdict to each answering rank's ``told/<rank>/<round>`` (its own
-   last); the lowest answering rank logs the report, the others one line.
-5. On exit a rank sets its own pending ``wake`` (or ``told``) key to ``exit``,
-   so its thread returns at once, joins both threads and deletes the keys it
-   knows of.
-
-Records are plain data; nothing a peer sends is unpickled.
+A round, in store keys under the block's prefix (``.../stall/``): a second
+thread per rank (``pdist-stall-answer``, on a store connection of its own)
+waits on ``wake/<rank>/<round>``; the first rank to see a stall takes
+``claim/<round>`` and sets every ``wake`` key; each rank writes its record
+(JSON, never pickle) to ``answer/<round>/<rank>`` and counts itself in
+``count/<round>``; the requester reads the answers once all counted or after
+the answer wait, writes ``report/<round>`` and each answering rank's verdict
+``told/<rank>/<round>`` (its own last); the lowest answering rank logs the
+report. On exit a rank sets its own pending key to ``exit``, joins both
+threads and deletes the keys it knows of.
 """
 
 from __future__ import annotations
@@ -74,9 +65,6 @@ _ROOTS = sorted(
 )
 
 
-# --------------------------------------------------------------------------- this rank's record
-
-
 def _short(path: str) -> str:
     for root in _ROOTS:
         if path.startswith(root + os.sep):
@@ -93,10 +81,9 @@ def main_stack(thread_id: int) -> list[list[Any]]:
         code = frame.f_code
         path = _short(code.co_filename)
         size += len(path) + len(code.co_name) + 8
-        entry: list[Any] = [path, frame.f_lineno, code.co_name]
         if size > _MAX_STACK_BYTES:
             break
-        out.append(entry)
+        out.append([path, frame.f_lineno, code.co_name])
         frame = frame.f_back
     return out
 
@@ -135,9 +122,8 @@ def recorder_groups(
 ) -> list[dict[str, Any]]:
     """Per group of ``names``: sequence numbers and oldest unfinished collective, from the recorder.
 
-    A group name comes back in every ``distributed()`` block while its
-    ``pg_id`` grows: the highest id of a name is this block's group. On gloo
-    an entry's ``state`` stays ``scheduled``; ``retired`` says it finished.
+    A group name comes back in every block while its ``pg_id`` grows: the highest is this block's.
+    On gloo an entry's ``state`` stays ``scheduled``; ``retired`` says it finished.
     """
     entries = [e for e in dump.get("entries", []) if not e.get("is_p2p")]
     newest: dict[str, int] = {}
@@ -215,9 +201,6 @@ def local_record(
     }
 
 
-# --------------------------------------------------------------------------- detection
-
-
 class _Detector:
     """How long this rank's oldest collective has waited, from cheap reads of its own state."""
 
@@ -258,15 +241,8 @@ class _Detector:
                 del self._pending[pg_id]
 
 
-# --------------------------------------------------------------------------- the watch
-
-
 def arm_flight_recorder() -> Callable[[], None] | None:
-    """Size torch's flight recorder before the first group exists, unless the user did.
-
-    Returns the undo (the variable is removed again), or None when the
-    environment already names a size.
-    """
+    """Size torch's flight recorder before any group exists: the undo, or None if the user did."""
     name = _compat.FEATURES.flight_recorder_env
     if name in os.environ:
         return None
@@ -279,12 +255,7 @@ def arm_flight_recorder() -> Callable[[], None] | None:
 
 
 class Watch:
-    """The stall watch of one ``distributed()`` block on one rank (see the module docstring).
-
-    :meth:`start` after the block's groups exist; :meth:`stop` before any is
-    destroyed. ``store`` is the store the block rendezvoused through and
-    ``prefix`` the block's own key prefix in it.
-    """
+    """The stall watch of one block on one rank: :meth:`start` once its groups exist."""
 
     def __init__(
         self,
@@ -326,11 +297,7 @@ class Watch:
         return None if conn is None else PrefixStore(self._prefix, conn)
 
     def start(self, groups: Sequence[Group] = ()) -> None:
-        """Start watching: the polling thread, and the answering one where the store allows.
-
-        ``groups`` are counted from zero in pdist's own record where it stands
-        in for the recorder, so that a rank that never called on one shows.
-        """
+        """Start the polling thread, and the answering one where the store allows."""
         if not _compat.recorder_sees_gloo():
             self._lifetime.in_flight.track(list(groups))
         self._lifetime.in_flight.active = True
@@ -357,10 +324,9 @@ class Watch:
         with self._lock:
             self._stopping.set()
             phase, k = self._phase
-        listening = len(self._threads) > 1
-        key = f"wake/{self.rank}/{k}" if phase == "wake" else f"told/{self.rank}/{k}"
-        with contextlib.suppress(Exception):  # a store gone with its host: the thread ended too
-            if listening:
+        key = f"{phase}/{self.rank}/{k}"  # the key the answering thread waits on
+        if len(self._threads) > 1:
+            with contextlib.suppress(Exception):  # a store gone with its host: the thread ended too
                 self._store.set(key, "exit")
                 self._mine.add(key)
         for thread in self._threads:
@@ -453,11 +419,7 @@ class Watch:
     # ------------------------------------------------------------------ answering side
 
     def _wait(self, conn: Store, phase: str, k: int, timeout: timedelta) -> bytes | None:
-        """Block until this rank's ``phase`` key of round ``k`` is set; None: stop (or no store).
-
-        Raises:
-            OSError: The store did not answer (it went away, or the wait ran out).
-        """
+        """This rank's ``phase`` key of round ``k`` once set; None: stop; OSError: no answer."""
         key = f"{phase}/{self.rank}/{k}"
         with self._lock:
             if self._stopping.is_set():
@@ -520,11 +482,8 @@ class Watch:
                 k,
             )
         if verdict["stalled"] and self.on_stall == "exit":
-            self._exit()
-
-    def _exit(self) -> None:
-        # A store-hosting rank serves on: the others still read their verdicts from it.
-        end_process(STALL_EXIT_CODE, _LINGER if self._hosts_store else 0.0)
+            # A store-hosting rank serves on: the others still read their verdicts from it.
+            end_process(STALL_EXIT_CODE, _LINGER if self._hosts_store else 0.0)
 
 
 def _answers(conn: Store) -> bool:
@@ -545,16 +504,12 @@ def _present(conn: Store, keys: list[str]) -> list[str]:
 
 def _well_formed(rec: dict[str, Any]) -> bool:
     """Whether a peer's record has the shape the report reads (a bad one counts as no answer)."""
-    frames_ok = all(isinstance(f, list) and len(f) == 3 for f in rec["stack"])
     for group in rec["groups"]:
         op = group["inflight"]
-        if not isinstance(group["key"], str) or not (
-            op is None or isinstance(op["age"], (int, float))
-        ):
+        op_ok = op is None or (isinstance(op["age"], (int, float)) and isinstance(op["seq"], int))
+        if not (isinstance(group["key"], str) and op_ok):
             return False
-        if op is not None and not isinstance(op["seq"], int):
-            return False
-    return frames_ok
+    return all(isinstance(f, list) and len(f) == 3 for f in rec["stack"])
 
 
 def _read_answers(conn: Store, k: int, world_size: int) -> list[dict[str, Any]]:

@@ -7,8 +7,7 @@ group a ``key`` (torch's group name, the same on every member), a ``label``
 (``world``, ``tp``...), ``enqueued`` and ``completed`` sequence numbers, the
 oldest collective ``inflight`` and the ``last`` completed one (each ``seq``,
 ``op``, ``sizes``, ``dtypes``, ``age`` in seconds). Nothing here touches
-torch or a process, so every rule is tested on synthetic records, 8192
-ranks included.
+torch or a process, so every rule is tested on synthetic records.
 """
 
 from __future__ import annotations
@@ -81,19 +80,17 @@ def _signature_lines(members: list[tuple[int, dict[str, Any], str]]) -> list[str
 
 def _behind_lines(members: list[tuple[int, dict[str, Any], str]]) -> list[str]:
     """The ranks of one group that have not entered its oldest waiting collective."""
-    seqs = [g["inflight"]["seq"] for _, g, _ in members if g["inflight"] is not None]
-    front = min(seqs)
+    front = min(g["inflight"]["seq"] for _, g, _ in members if g["inflight"] is not None)
     behind: dict[str, list[int]] = defaultdict(list)
     for rank, group, _ in members:
         enqueued = group.get("enqueued")
         if group["inflight"] is None and isinstance(enqueued, int) and enqueued < front:
             last = group.get("last")
             behind[_op_text(last) if last else "none"].append(rank)
-    lines = [
+    return [
         f"    {_who(ranks)} not entered #{front}; last completed {text}"
         for text, ranks in sorted(behind.items(), key=lambda kv: kv[1][0])
-    ]
-    return lines[:_SHOWN_LINES]
+    ][:_SHOWN_LINES]
 
 
 def _group_section(records: list[dict[str, Any]]) -> list[str]:
@@ -107,9 +104,8 @@ def _group_section(records: list[dict[str, Any]]) -> list[str]:
     for key in busy[:_SHOWN_GROUPS]:
         members = groups[key]
         label, source = members[0][1].get("label", key), members[0][1].get("source", "")
-        ranks = _who([r for r, _, _ in members])
         where = f"pg {key[:12]}, {source}" if source == "flight recorder" else source
-        lines.append(f"  group {label} ({where}), {ranks}:")
+        lines.append(f"  group {label} ({where}), {_who([r for r, _, _ in members])}:")
         lines += _signature_lines(members) + _behind_lines(members)
     if len(busy) > _SHOWN_GROUPS:
         lines.append(f"  ... {len(busy) - _SHOWN_GROUPS} more groups with collectives in flight")
@@ -149,16 +145,13 @@ def format_report(
     stall_timeout: float,
     round_no: int = 1,
 ) -> str:
-    """The stall report over every answering rank's record (pure: plain data in, text out).
+    """The stall report over every answering rank's record.
 
-    Per group with a collective in flight: which ranks wait in which
-    collective (op, sequence number, sizes, dtypes, how long, call site),
-    ranks at one sequence number with different collectives (a desync), and
-    the ranks that have not entered it with what they last completed. Then
-    each distinct main-thread stack once, with its ranks, and the ranks of
-    ``range(world_size)`` that did not answer (None: one rank's own view).
-    Ranks are written as ranges and every section is capped, so the report
-    stays short at any world size.
+    Per group with a collective in flight: who waits in which collective, a
+    desync, the ranks that have not entered it; then each distinct main-thread
+    stack once, and the ranks of ``range(world_size)`` that did not answer
+    (None: one rank's own view). Every section is capped, so the report stays
+    short at any world size.
     """
     answered = {rec["rank"] for rec in records}
     if world_size is None:
@@ -179,17 +172,12 @@ def format_report(
 
 def picture(records: list[dict[str, Any]], world_size: int) -> str:
     """A digest of what a report shows, without the ages: equal when nothing moved."""
-    seen = [
-        [
-            rec["rank"],
-            [
-                [g["key"], g.get("completed"), (g["inflight"] or {}).get("seq")]
-                for g in rec["groups"]
-            ],
-            rec["stack"],
+    seen = []
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        groups = [
+            [g["key"], g.get("completed"), (g["inflight"] or {}).get("seq")] for g in rec["groups"]
         ]
-        for rec in sorted(records, key=lambda r: r["rank"])
-    ]
+        seen.append([rec["rank"], groups, rec["stack"]])
     text = json.dumps([world_size, seen], separators=(",", ":"))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

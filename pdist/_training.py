@@ -31,12 +31,7 @@ _FSDP_MANAGED = "_is_fsdp_managed_module"
 
 
 class _WrapperLink:
-    """A weak link from a wrapped module to its DDP, stored on the module (no registry).
-
-    It lets :func:`grad_sync` tell in O(1) that it was given the wrong module. It
-    keeps no DDP alive, and pickles and deep-copies as ``False`` (a copy is inside
-    no DDP, and unpickling needs no pdist).
-    """
+    """A weak link from a wrapped module to its DDP; pickles and deep-copies as ``False``."""
 
     __slots__ = ("_ref",)
 
@@ -58,13 +53,7 @@ def _link(modules: Iterable[nn.Module], wrapper: nn.Module | None) -> None:
 
 
 def _enclosing_ddp(model: nn.Module) -> nn.Module | None:
-    """The DDP that wraps ``model`` (or a module around it), if any.
-
-    pdist's DDP links its modules when built. For torch's own DDP the garbage
-    collector's objects are scanned, once per module: the answer is stored as a
-    link (a dead one when none holds it). Only ``grad_sync(enabled=False)`` on a
-    module holding no DDP or FSDP module gets here.
-    """
+    """The DDP that wraps ``model`` (or a module around it), if any; torch's found once, by gc."""
     link = model.__dict__.get(_WRAPPER_LINK)
     if isinstance(link, _WrapperLink):
         return link.wrapper()
@@ -147,14 +136,11 @@ def grad_sync(
 ) -> Iterator[None]:
     """Turn cross-replica gradient synchronization on or off inside the block.
 
-    DDP (torch's or pdist's): ``require_backward_grad_sync`` (with
-    ``static_graph=True`` it cannot change: a warning, once per model). FSDP2:
-    only HSDP's cross-replica all-reduce is deferred, so gradients stay sharded;
-    ``defer_reduce_scatter=True`` defers all of it, at the price of an unsharded
-    gradient per parameter. Plain modules: nothing to do. The wrong module
-    (``model.module`` of a DDP, a submodule of a ``fully_shard`` model) with
-    ``enabled=False`` warns, naming the one to pass. On exit every module gets
-    back exactly its own flags, also when the block raises. Nests freely.
+    DDP with ``static_graph=True`` cannot skip it (a warning, once per model).
+    FSDP2 defers only HSDP's cross-replica all-reduce, so gradients stay sharded,
+    unless ``defer_reduce_scatter=True``. ``enabled=False`` on the wrong module
+    (a DDP's ``.module``, an FSDP submodule) warns. On exit every module gets
+    back exactly its own flags, also when the block raises.
 
     Example::
 
@@ -177,17 +163,14 @@ def grad_sync(
         )
         raise TypeError(msg)
     fsdp_type = _compat.fsdp_module_type()
-    restore: list[Any] = []
-    found = False
+    restore: list[Any] = []  # one entry per DDP or FSDP module found
     try:
         for module in model.modules():
             if isinstance(module, nn.parallel.DistributedDataParallel):
-                found = True
                 restore.append(_set_ddp(module, bool(enabled)))
             elif fsdp_type is not None and isinstance(module, fsdp_type):
-                found = True
                 restore.append(_set_fsdp(module, bool(enabled), defer_reduce_scatter))
-        if not found and not enabled:
+        if not restore and not enabled:
             _warn_wrong_module(model)
         yield
     finally:
@@ -208,8 +191,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Call the wrapped module's ``training_step`` as DDP's forward.
 
         DDP's gradient hooks only arm through ``forward``, so ``forward`` points
-        at the step for one call (a step that calls ``self(batch)`` reaches the
-        real ``forward``); it is back afterwards, also when the step raises.
+        at the step for one call.
 
         Raises:
             AttributeError: The wrapped module has no ``training_step``.
@@ -244,12 +226,9 @@ def wrap_ddp(
 ) -> DistributedDataParallel:
     """Wrap ``model`` in :class:`DistributedDataParallel` over the context's ``dp_sp`` group.
 
-    ``ctx.dp_sp`` holds the ranks sharing this rank's tp index: data- and
-    sequence-parallel ranks see different data, so both average (``ctx.dp``
-    when ``sp == 1``); tp peers hold different shards. On 4 ranks with
+    ``ctx.dp_sp`` holds the ranks sharing this rank's tp index: on 4 ranks with
     ``sp=2`` all 4 average; with ``tp=2`` rank 1 averages with rank 3. The
-    model is moved to ``ctx.device`` first; the result is a DDP on one rank
-    too, so ``.module`` and ``training_step`` work the same everywhere.
+    model is moved to ``ctx.device`` first.
 
     .. note:: Every rank of the group must call it (DDP broadcasts the
        parameters of the group's first rank on construction).
@@ -367,10 +346,8 @@ def sync_model_states(
     """Copy ``model``'s parameters (and buffers) from group index ``src`` to every rank, in place.
 
     Before any tensor moves the ranks agree on ``src`` and on the (name, shape,
-    dtype, device type) of what they hold, so that a bad argument or a mismatch
-    raises on every rank instead of deadlocking NCCL. Shared parameters travel
-    once, in coalesced buckets. A model holding DTensors (after ``fully_shard``
-    or tensor parallelism) is refused: synchronize it before sharding it.
+    dtype, device type) of what they hold, so that a mismatch raises on every
+    rank instead of deadlocking. A model holding DTensors is refused.
 
     .. note:: All ranks of the group must call it.
 
@@ -409,7 +386,7 @@ def sync_model_states(
 
 
 def _raise_difference(g: Group, src: int, entries: list[Any], what: str) -> NoReturn:
-    """After a digest mismatch: every rank's src and entries, for a message naming what differs."""
+    """After a digest mismatch: exchange every rank's src and entries, and name what differs."""
     records = _wire.exchange(g, [src, entries], what=what)
     for rank, record in zip(g.ranks, records, strict=True):
         if not (
