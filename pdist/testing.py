@@ -71,8 +71,7 @@ def _worker_main(conn: Connection, rank: int) -> None:
         log_path, env, path, payload = job
         sys.path[:] = path
         os.environ.clear()
-        os.environ.update(base_env)
-        os.environ.update(env)
+        os.environ.update(base_env | env)
         # Without a log path the rank writes to the inherited stdout/stderr as it runs.
         with open(log_path or os.devnull, "w") as log:
             sys.stdout.flush()
@@ -84,13 +83,12 @@ def _worker_main(conn: Connection, rank: int) -> None:
             faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
             try:
                 fn, args = pickle.loads(payload)
-                result: tuple[str, Any] = ("ok", fn(*args))
+                result = fn(*args)
                 try:
-                    reply = pickle.dumps(result)
+                    reply = pickle.dumps(("ok", result))
                 except Exception as exc:
-                    reply = pickle.dumps(
-                        ("error", f"rank {rank}: cannot pickle the result: {exc!r}")
-                    )
+                    msg = f"rank {rank}: cannot pickle the result: {exc!r}"
+                    reply = pickle.dumps(("error", msg))
             except BaseException:
                 reply = pickle.dumps(("error", traceback.format_exc()))
             finally:
@@ -159,20 +157,10 @@ def _discard(world_size: int) -> None:
         pool.kill()
 
 
-def _pool(world_size: int) -> _Pool:
-    pool = _pools.get(world_size)
-    if pool is None or not pool.alive():
-        _discard(world_size)
-        pool = _pools[world_size] = _Pool(world_size)
-    return pool
-
-
 def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return f.read()
+    return ""
 
 
 def spawn(
@@ -217,9 +205,10 @@ def spawn(
     seconds = to_seconds(timeout, "timeout")
     payload = pickle.dumps((fn, args))
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    if fresh:
+    pool = _pools.get(world_size)
+    if fresh or pool is None or not pool.alive():
         _discard(world_size)
-    pool = _pool(world_size)
+        pool = _pools[world_size] = _Pool(world_size)
     tmp = tempfile.mkdtemp(prefix="pdist-spawn-")
     logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
     for rank, conn in enumerate(pool.conns):
@@ -274,12 +263,6 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
                 results[rank] = value
             else:
                 errors[rank] = value
-    outputs = [_read(p) for p in logs]
-    if not pending and not errors:
-        for rank, out in enumerate(outputs):
-            if out:
-                sys.stdout.write(f"----- rank {rank} output -----\n{out}")
-        return [results[r] for r in range(world_size)]
     if pending:
         # Dump the stacks of the ranks still running, then kill them all.
         for rank in pending:
@@ -287,7 +270,12 @@ def _collect(pool: _Pool, logs: list[str], seconds: float) -> list[Any]:
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGUSR1)
         time.sleep(1.0)
-        outputs = [_read(p) for p in logs]
+    outputs = [_read(p) for p in logs]
+    if not pending and not errors:
+        for rank, out in enumerate(outputs):
+            if out:
+                sys.stdout.write(f"----- rank {rank} output -----\n{out}")
+        return [results[r] for r in range(world_size)]
     _discard(world_size)
     report = "\n".join(
         f"----- rank {r} ({'failed' if r in errors else 'still running' if r in pending else 'ok'})"
@@ -362,10 +350,7 @@ def count_collectives() -> Iterator[collections.Counter[str]]:
     finally:
         with _quiet_kineto():
             prof.__exit__(None, None, None)
-    for event in prof.events():
-        name = event.name
-        if name.startswith(("gloo:", "nccl:")):
-            counts[name] += 1
+    counts.update(e.name for e in prof.events() if e.name.startswith(("gloo:", "nccl:")))
 
 
 @contextlib.contextmanager

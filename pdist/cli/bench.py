@@ -100,10 +100,7 @@ def _record(ctx: DistContext, case: Case, seconds: dict[str, float]) -> Record:
 def run_cases(
     ctx: DistContext, cases: list[Case], *, quick: bool, progress: bool
 ) -> Iterator[Record]:
-    """Run ``cases`` (the quick ones with ``quick``) on every rank; yields their records.
-
-    With ``progress``, the case being timed is shown on stderr if it is a terminal.
-    """
+    """Run ``cases`` (the quick ones with ``quick``) on every rank; yields their records."""
     progress = progress and sys.stderr.isatty()
     selected = [c for c in cases if c.quick or not quick]
     # 21 interleaved batches: on a shared 2-core machine fewer left ratios swinging by 2x.

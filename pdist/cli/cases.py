@@ -127,9 +127,8 @@ def _tensor_cases() -> list[Case]:
     for n, quick in _SIZES:
         inner = 20 if n <= 64 << 10 else 3  # small messages: enough calls to outgrow the clock
         for op, bw in _BUSBW.items():
-            cases.append(
-                Case(f"{op} {_label(n)}", n, partial(_sweep, op, n // 4), inner, bw, quick)
-            )
+            name = f"{op} {_label(n)}"
+            cases.append(Case(name, n, partial(_sweep, op, n // 4), inner, bw, quick))
     for n, quick in ((1 << 20, True), (16 << 20, False)):
         for name, setup, bw in (
             ("all_reduce_", _in_place_all_reduce, _BUSBW["all_reduce"]),

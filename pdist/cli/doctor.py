@@ -23,10 +23,6 @@ def _expect(condition: bool, what: str) -> None:
         raise AssertionError(what)
 
 
-def _ranks(ctx: DistContext) -> list[float]:
-    return [float(r) for r in range(ctx.world_size)]
-
-
 def _check_all_reduce(ctx: DistContext) -> None:
     out = pdist.all_reduce(ctx, torch.full((4,), float(ctx.rank + 1), device=ctx.device))
     total = ctx.world_size * (ctx.world_size + 1) / 2
@@ -35,7 +31,7 @@ def _check_all_reduce(ctx: DistContext) -> None:
 
 def _check_all_gather(ctx: DistContext) -> None:
     out = pdist.all_gather(ctx, torch.tensor([float(ctx.rank)], device=ctx.device), dim=0)
-    _expect(out.tolist() == _ranks(ctx), f"got {out.tolist()}")
+    _expect(out.tolist() == list(range(ctx.world_size)), f"got {out.tolist()}")
 
 
 def _check_broadcast(ctx: DistContext) -> None:
@@ -49,9 +45,9 @@ def _check_reduce_gather(ctx: DistContext) -> None:
     summed = pdist.reduce(ctx, x, dst=0, op="sum")
     gathered = pdist.gather(ctx, x, dst=0, dim=0)
     if ctx.rank == 0:
-        total = sum(range(ctx.world_size))
-        _expect(summed is not None and summed.item() == total, f"reduce gave {summed}")
-        _expect(gathered is not None and gathered.tolist() == _ranks(ctx), "gather order")
+        ranks = list(range(ctx.world_size))
+        _expect(summed is not None and summed.item() == sum(ranks), f"reduce gave {summed}")
+        _expect(gathered is not None and gathered.tolist() == ranks, "gather order")
 
 
 def _check_all_to_all(ctx: DistContext) -> None:

@@ -1,17 +1,12 @@
 """``pdist bench --simulate-world W``: start-up cost of one rank of a simulated W-rank job.
 
-The rank runs on torch's fake process group (every collective accepted, no data moved), which
-``distributed(tp=8, stall_timeout=0)`` adopts (start-up alone: no stall watch), in a fresh
-interpreter per measurement. Modes: ``pdist``;
-``mesh``, ``init_device_mesh("cpu", (W // 8, 1, 8))``; ``pdist-split``, pdist on an
-accelerator-bound world (device groups split from the world).
-
-Only torch is patched, never pdist: ``new_group``, ``split_group`` and the all-gathers count
-calls (and those involving every rank) and bytes; an all-gather returns this rank's input as
-every rank's, the kernel's boot id in it made up per host of 8 ranks; the store is a
-``HashStore``. For ``pdist-split``, ``torch.accelerator`` reports a ``meta`` device, the world
-is bound to it (``bound_device_id``, as NCCL's by ``device_id=``), and ``split_group`` builds
-the caller's block. CPU time is ``time.process_time()``, added RSS the growth of ``ru_maxrss``.
+The rank runs ``distributed(tp=8, stall_timeout=0)`` (start-up alone) on torch's fake process
+group, in a fresh interpreter per measurement, next to ``init_device_mesh`` (mode ``mesh``) and
+to pdist on an accelerator-bound world whose device groups are split from it (``pdist-split``).
+Only torch is patched, never pdist: group creation and all-gathers are counted, an all-gather
+returns this rank's record as every rank's (its boot id made up per host of 8 ranks), and the
+store is a ``HashStore``. CPU time is ``time.process_time()``, added RSS the growth of
+``ru_maxrss``.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _compat
+from .. import _compat, distributed
 
 __all__ = ["DEFAULT_WORLDS", "MODES", "format_table", "measure", "simulate"]
 
@@ -116,19 +111,16 @@ def _bind_to_meta(stack: contextlib.ExitStack) -> None:
 
 
 def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str, Any]:
-    """One start-up's figures, measured in this process (memory: only a fresh one's counts).
+    """One start-up's figures, measured in this process (only a fresh one's memory counts).
 
     With ``clean_up`` the groups, the world and torch's functions are put back afterwards.
     """
     _compat.register_fake_backend()
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pdist import distributed
-    from pdist._compat import HashStore
-
     os.environ["LOCAL_WORLD_SIZE"] = str(_PER_HOST)
     rank = world_size // 2 + 3 if world_size > 8 else world_size - 1
-    dist.init_process_group("fake", store=HashStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=_compat.HashStore(), rank=rank, world_size=world_size)
     stats = {"new_group": 0, "split_group": 0, "world_wide": 0, "all_gather_bytes": 0}
     stack = contextlib.ExitStack()
     try:
@@ -141,7 +133,7 @@ def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str,
             shape, names = (world_size // _TP, 1, _TP), ("dp", "sp", "tp")
             held: Any = init_device_mesh("cpu", shape, mesh_dim_names=names)
         else:
-            held = distributed(tp=_TP, stall_timeout=0)  # start-up only: no watch
+            held = distributed(tp=_TP, stall_timeout=0)
             held.__enter__()
             if clean_up:  # before the patches go: the stack closes last in, first out
                 stack.callback(held.__exit__, None, None, None)

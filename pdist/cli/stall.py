@@ -1,20 +1,12 @@
 """``python -m pdist bench --stall-overhead``: what the stall watch costs, watch on against off.
 
-torch reads the flight recorder's buffer size once per process, so each
-setting runs in a world of fresh processes: worlds alternate, on, off, off,
-on, on, off, ..., so that drift on a shared machine hits both alike and
-neither setting always runs first in its pair. Each world
-times three cases as the median of interleaved batches (the same timer as
-every bench case): a 1 MiB ``all_reduce``, a tiny ``broadcast_object`` and a
-DDP step (forward, backward with its bucket all-reduce, SGD step). A case's
-ratio is the median over pairs of neighbouring worlds of watched / unwatched
-(drift between pairs cancels); the medians of each setting are shown too. The
-watched worlds also report the CPU time the watch's own threads used per
-second of the run (Linux: ``/proc/self/task/*/schedstat``), a figure no neighbour's load
-can blur.
-"Off" is ``stall_timeout=0``: no thread, and torch's recorder as torch sets
-it (on torch 2.13 it records 2000 collectives by default; on 2.6 it records
-no gloo collective and pdist's own record stands in, so "on" pays for it).
+torch reads the flight recorder's buffer size once per process, so each setting runs in a world
+of fresh processes. Worlds alternate on, off, off, on, on, off, ..., so that drift on a shared
+machine hits both alike and neither setting always runs first in its pair; a case's ratio is
+the median over those pairs of watched / unwatched. The watch's own CPU time per second is a
+figure no neighbour's load can blur. "Off" is ``stall_timeout=0``: no thread, and torch's
+recorder as torch sets it (where it records no gloo collective, pdist's own record stands in,
+so "on" pays for it).
 """
 
 from __future__ import annotations
@@ -32,11 +24,9 @@ from .. import DistContext, Group, all_reduce, broadcast_object, distributed, wr
 from .._compat import recorder_sees_gloo
 from .._group import Lifetime
 from .._inflight import recorded
-from .bench import Case, run_cases
+from .bench import Case, Fns, run_cases
 
 __all__ = ["format_overhead", "measure_overhead", "overhead_rank"]
-
-Fns = dict[str, Any]
 
 
 def _all_reduce(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
@@ -84,10 +74,7 @@ def _watch_cpu_seconds() -> float:
 
 
 def overhead_rank(stall_timeout: float, quick: bool) -> dict[str, float]:
-    """One world's figures (seconds per call of each case) with the given ``stall_timeout``.
-
-    ``"watch cpu"`` is the CPU time of the watch's threads per second of the run.
-    """
+    """Seconds per call of each case, and ``"watch cpu"``: the watch's CPU seconds per second."""
     with distributed(stall_timeout=stall_timeout) as ctx:
         start = time.monotonic()
         records = list(run_cases(ctx, CASES, quick=quick, progress=False))
@@ -96,11 +83,7 @@ def overhead_rank(stall_timeout: float, quick: bool) -> dict[str, float]:
 
 
 def hook_cost(calls: int = 200_000) -> dict[str, float]:
-    """Seconds per call that ``@recorded`` adds to a no-op, its record on and off (best of 5).
-
-    The decorator marks a point-to-point call, installed on every torch; on a
-    collective it is the function itself where the recorder sees gloo.
-    """
+    """Seconds per call that ``@recorded`` (as on a p2p call) adds to a no-op, record on and off."""
     lifetime = Lifetime()
     group = Group(
         name="world",
@@ -128,45 +111,30 @@ def hook_cost(calls: int = 200_000) -> dict[str, float]:
             times.append((time.perf_counter() - start) / calls)
         return min(times)
 
-    base = best(plain)
-    off = best(hooked)
+    base, off = best(plain), best(hooked)
     lifetime.in_flight.active = True
-    on = best(hooked)
-    return {"record off": off - base, "record on": on - base}
+    return {"record off": off - base, "record on": best(hooked) - base}
 
 
-def measure_overhead(
-    nproc: int, runs: int, quick: bool, stall_timeout: float = 300.0
-) -> dict[str, Any]:
-    """Alternate ``runs`` watched worlds with ``runs`` unwatched ones; each gets fresh processes.
-
-    Returns per case the per-world seconds of both settings and the median
-    over neighbouring pairs of their ratio (watched / unwatched).
-    """
+def measure_overhead(nproc: int, runs: int, quick: bool) -> dict[str, Any]:
+    """Alternate ``runs`` watched worlds with ``runs`` unwatched ones: the report, per case."""
     from ..testing import spawn
 
-    seconds: dict[str, dict[str, list[float]]] = {c.name: {"on": [], "off": []} for c in CASES}
+    cases: dict[str, dict[str, Any]] = {c.name: {"on": [], "off": []} for c in CASES}
     cpu: list[float] = []
     for i in range(2 * runs):
         setting = "on" if i % 4 in (0, 3) else "off"  # pairs on-off, off-on, ...
-        timeout = stall_timeout if setting == "on" else 0.0
-        # Fresh processes: torch reads the recorder's size once per process.
+        timeout = 300.0 if setting == "on" else 0.0
         figures = spawn(
             overhead_rank, nproc, timeout, quick, timeout=1200, capture_output=False, fresh=True
         )[0]
         if setting == "on":
             cpu.append(figures.pop("watch cpu"))
         for case in CASES:
-            seconds[case.name][setting].append(figures[case.name])
-    cases = {
-        name: {
-            **runs_of,
-            "ratio": statistics.median(
-                a / b for a, b in zip(runs_of["on"], runs_of["off"], strict=True)
-            ),
-        }
-        for name, runs_of in seconds.items()
-    }
+            cases[case.name][setting].append(figures[case.name])
+    for runs_of in cases.values():
+        pairs = zip(runs_of["on"], runs_of["off"], strict=True)
+        runs_of["ratio"] = statistics.median(a / b for a, b in pairs)
     return {
         "world_size": nproc,
         "runs": runs,
