@@ -442,7 +442,9 @@ class Watch:
                 if _answers(conn):
                     continue  # a day without a stall: wait again
                 # The store is gone: the polling thread reports alone from now on.
-                logger.debug("pdist: rank %d: the stall watch lost its store", exc_info=True)
+                logger.debug(
+                    "pdist: rank %d: the stall watch lost its store", self.rank, exc_info=True
+                )
                 return
             if woken is not None:
                 try:
