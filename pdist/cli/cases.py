@@ -172,10 +172,16 @@ def _structured_b(ctx: DistContext, stack: Stack) -> Fns:
         for t in tensors:
             dist.broadcast(t, 0, group=pg)
 
+    def cat_then_broadcast() -> None:
+        # The least any one-collective transport does: concatenate into fresh memory on the
+        # source, receive into fresh memory elsewhere (flat_broadcast reuses warm buffers).
+        dist.broadcast(torch.cat(tensors) if ctx.rank == 0 else torch.empty_like(flat), 0, pg)
+
     return {
         "pdist": lambda: pdist.broadcast_object_list(ctx, _from_rank0(ctx, tensors)),
         "flat_broadcast": lambda: dist.broadcast(flat, 0, group=pg),
         "per_tensor_broadcast": per_tensor,
+        "cat_then_broadcast": cat_then_broadcast,
     }
 
 
@@ -242,9 +248,17 @@ def _collate(ctx: DistContext, stack: Stack) -> Fns:
     ]
     mine, out = torch.ones(32 * 5000 * 8), torch.empty(32 * 5000 * 8 * world)
     pg = ctx.world.cpu_group
+
+    def in_dataset_order() -> None:
+        # The same bytes straight into a fresh result in dataset order (rank j's row r is
+        # sample r * W + j): the data movement collate's result needs, without metadata.
+        grid = torch.empty(32, 5000, world, 8)
+        dist.all_gather([grid[:, :, j] for j in range(world)], mine.view(32, 5000, 8), group=pg)
+
     return {
         "pdist": lambda: pdist.collate_batches(ctx, batches),
         "raw_all_gather": lambda: all_gather_into(out, mine, pg),
+        "all_gather_in_dataset_order": in_dataset_order,
     }
 
 
