@@ -218,6 +218,9 @@ def _persistent_loader(
     return load, untyped
 
 
+# The persistent_load of a skeleton that travelled alone (most safe loads): it refuses every id.
+_NO_ENTRIES = _persistent_loader([], [])[0]
+
 # Torch queues every sparse tensor it unpickles in one module-level list, to be validated after
 # loading; pdist validates those its own loads queued (the lock keeps concurrent loads apart).
 _SPARSE_LOCK = threading.RLock()
@@ -277,7 +280,7 @@ def _load(data: bytes, persistent_load: Any, safe: Safe, *, quiet: bool) -> Any:
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             return unpickler.load()
         extra: list[Any] = [] if safe is True else list(safe)
-        return _compat.safe_load(data, persistent_load or _persistent_loader([], [])[0], extra)
+        return _compat.safe_load(data, persistent_load or _NO_ENTRIES, extra)
     except PdistError:
         raise
     except pickle.UnpicklingError as exc:

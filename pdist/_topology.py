@@ -181,7 +181,8 @@ def same_node_ranks(group: Group | DistContext, source_rank: int = 0) -> list[in
 
     Raises:
         ValueError: ``source_rank`` is outside the group.
-        PdistError: On every rank, when host detection fails (``/dev/shm`` unusable).
+        PdistError: On every rank, when host detection fails (a rank cannot use ``/dev/shm``,
+            or ranks that report one host cannot open each other's probe).
     """
     g = as_group(group)
     wanted = g.global_rank(source_rank, name="source_rank")
