@@ -410,7 +410,7 @@ class Watch:
                 records, world_size=self.world_size, stall_timeout=self.stall_timeout, round_no=k
             )
             conn.set(f"report/{k}", text)
-        told = json.dumps(verdict)
+        told = json.dumps({**verdict, "told": len(records)})
         answered = sorted((r["rank"] for r in records), key=lambda r: (r == self.rank, r))
         for i in range(0, len(answered), _CHUNK):
             part = answered[i : i + _CHUNK]  # this rank's own verdict last: it may exit on it
@@ -469,9 +469,9 @@ class Watch:
             return
         verdict = _plain.loads(told)
         holds = verdict["report"] and verdict["holder"] == self.rank
-        self._act(verdict, k, conn.get(f"report/{k}").decode() if holds else "")
+        self._act(verdict, k, conn.get(f"report/{k}").decode() if holds else "", conn)
 
-    def _act(self, verdict: dict[str, Any], k: int, text: str) -> None:
+    def _act(self, verdict: dict[str, Any], k: int, text: str, conn: Store | None = None) -> None:
         with self._lock:
             self._last_end, self._last_digest = time.monotonic(), verdict["digest"]
         if verdict["report"] and verdict["holder"] == self.rank:
@@ -484,8 +484,22 @@ class Watch:
                 k,
             )
         if verdict["stalled"] and self.on_stall == "exit":
+            if conn is not None:
+                self._told_ranks_hold_verdicts(conn, k, verdict["told"])
             # A store-hosting rank serves on: the others still read their verdicts from it.
             end_process(STALL_EXIT_CODE, _LINGER if self._hosts_store else 0.0)
+
+    def _told_ranks_hold_verdicts(self, conn: Store, k: int, told: int) -> None:
+        """Wait (at most the answer wait) until every rank told in round ``k`` has its verdict.
+
+        A rank that exits first breaks its peers' collectives: one whose answering
+        thread had not yet read its verdict would end with that error, not the exit code.
+        """
+        deadline = time.monotonic() + self.answer
+        with contextlib.suppress(Exception):  # a store gone with its host: exit now
+            conn.add(f"exiting/{k}", 1)
+            while conn.add(f"exiting/{k}", 0) < told and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def _answers(conn: Store) -> bool:
