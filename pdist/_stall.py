@@ -15,8 +15,10 @@ waits on ``wake/<rank>/<round>``; the first rank to see a stall takes
 ``count/<round>``; the requester reads the answers once all counted or after
 the answer wait, writes ``report/<round>`` and each answering rank's verdict
 ``told/<rank>/<round>`` (its own last); the lowest answering rank logs the
-report. On exit a rank sets its own pending key to ``exit``, joins both
-threads and deletes the keys it knows of.
+report. With ``on_stall="exit"`` a told rank counts itself in ``exiting/<round>``
+and exits once every told rank has (or after the answer wait), so that no rank's
+exit breaks a collective of one that does not yet know. On exit a rank sets its
+own pending key to ``exit``, joins both threads and deletes the keys it knows of.
 """
 
 from __future__ import annotations
