@@ -117,8 +117,12 @@ def _broadcast_out(
     try:
         if error is not None:
             raise error
-        encoded = _payload.encode(
-            obj, group.device, min_tensor_bytes=min_tensor_bytes, bucket_bytes=DEFAULT_BUCKET_BYTES
+        encoded = _payload.encode(  # the receivers keep what they receive; the source, a ring
+            obj,
+            group.device,
+            min_tensor_bytes=min_tensor_bytes,
+            bucket_bytes=DEFAULT_BUCKET_BYTES,
+            ring=True,
         )
     except Exception as exc:
         header(group, None, src, error=exc, what=what)
@@ -137,6 +141,9 @@ def _broadcast_out(
         assert flat is not None
         works += _broadcasts(group, src, [bucket], [flat])
         if i + 1 < len(encoded.buckets):
+            reused = encoded.after(i + 1)
+            if reused is not None:
+                works[reused].wait()
             try:
                 flat = encoded.buffer(i + 1) if failure else encoded.pack(i + 1)
             except Exception as exc:  # the receivers still get every bucket, then the error
@@ -272,27 +279,54 @@ def broadcast_tensor_dict(
 
 
 def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, what: str) -> None:
-    """Broadcast ``tensors`` (of the same layout on every rank, so no header) from ``src``."""
+    """Broadcast ``tensors`` (of the same layout on every rank, so no header) from ``src``.
+
+    Each end stages at most :data:`~pdist._payload.RING` buckets per transport, so a model's
+    small tensors need no second copy of themselves. When a rank reuses a buffer, packing (on
+    the source) or unpacking (on the receivers) the bucket it held happens after the status,
+    and a late status says whether every rank could; when one could not, every rank raises,
+    and the receivers' tensors from that bucket on hold undefined bytes.
+    """
     group.global_rank(src)
     is_src = group.rank_in_group == src
     fills: list[_payload.Fill] = []
-    flats: list[torch.Tensor | None] = []
-    buffers: list[torch.Tensor] = []
+    staged = _payload.Staging([], [])
+    buffers: dict[int, torch.Tensor] = {}
     failure: BaseException | None = None
     try:
         for t in tensors:
             _payload.place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
-        flats = _payload.staging(fills, [f.size for f in fills], receiving=not is_src)
-        buffers = [
-            f.pack(flat) if is_src else f.receive_buffer(flat)
-            for f, flat in zip(fills, flats, strict=True)
-        ]
+        staged = _payload.staging(fills, [f.size for f in fills], receiving=not is_src, ring=True)
+        for i, (fill, flat) in enumerate(zip(fills, staged.buffers, strict=True)):
+            if staged.after[i] is None:  # the others are packed once their buffer is free
+                buffers[i] = fill.pack(flat) if is_src else fill.receive_buffer(flat)
     except Exception as exc:
         failure = exc
-    if fills or failure is not None:
-        _agree.status(group, failure, what=what)
-    works = _broadcasts(group, src, fills, buffers)
-    for work, fill, flat, buffer in zip(works, fills, flats, buffers, strict=True):
+    reuses = any(after is not None for after in staged.after)
+    late = reuses
+    if fills or failure is not None:  # with whether any rank reuses a buffer (then: late)
+        late = not _agree.status(group, failure, what=what, summary=str(reuses)) or reuses
+    works: list[Any] = []
+    unpacked: set[int] = set()
+    for i, after in enumerate(staged.after):
+        if after is not None:  # bucket i reuses the buffer of bucket ``after``, once it moved
+            works[after].wait()
+            buffers[i] = staged.buffers[i]  # type: ignore[assignment]  # a staged one
+            try:  # after a failure every bucket still moves, then the late status raises
+                if failure is None and is_src:
+                    fills[i].pack(buffers[i])
+                elif failure is None:
+                    fills[after].unpack(buffers[after])
+                    unpacked.add(after)
+            except Exception as exc:
+                failure = exc
+        works += _broadcasts(group, src, [fills[i]], [buffers[i]])
+    for i, work in enumerate(works):
         work.wait()
-        if flat is not None and not is_src:  # a lone tensor was received in place
-            fill.unpack(buffer)
+        staged_here = staged.buffers[i] is not None  # (a lone tensor is received in place)
+        try:
+            if failure is None and not is_src and staged_here and i not in unpacked:
+                fills[i].unpack(buffers[i])
+        except Exception as exc:
+            failure = exc
+    _agree.settle(group, failure, together=late, what=what)

@@ -26,10 +26,12 @@ from ._serialize import TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
 
 __all__ = [
     "KINDS",
+    "RING",
     "Bucket",
     "Decoded",
     "Encoded",
     "Fill",
+    "Staging",
     "bucket_count",
     "decode",
     "encode",
@@ -162,56 +164,93 @@ def place(
     return index, fills[index].add(data, t, alias=alias)
 
 
+RING = 2  # staging buffers per transport kind when a transfer reuses them (see staging)
+
+
+class Staging(NamedTuple):
+    """Buffers of buckets (None: a lone tensor's own memory).
+
+    ``after[i]``: the bucket whose transfer must end before bucket ``i``'s buffer is
+    written, as the two share memory (None: no such bucket).
+    """
+
+    buffers: list[torch.Tensor | None]
+    after: list[int | None]
+
+
 def _slabs(
-    places: Sequence[tuple[str, torch.device] | None], sizes: Sequence[int], what: str
-) -> list[torch.Tensor | None]:
-    """Buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind (None: none)."""
-    out: list[torch.Tensor | None] = [None] * len(sizes)
+    places: Sequence[tuple[str, torch.device] | None],
+    sizes: Sequence[int],
+    what: str,
+    ring: bool = False,
+) -> Staging:
+    """Buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind (None: none).
+
+    ``ring``: the slab holds :data:`RING` buffers, taken in turn by the kind's buckets.
+    """
+    out = Staging([None] * len(sizes), [None] * len(sizes))
     for kind in KINDS:
         members = [(i, p[1]) for i, p in enumerate(places) if p is not None and p[0] == kind]
-        if members:
-            flats = slab([sizes[i] for i, _ in members], members[0][1], what=what)
-            for (i, _), flat in zip(members, flats, strict=True):
-                out[i] = flat
+        if not members:
+            continue
+        slots = min(len(members), RING) if ring else len(members)
+        tops = [max(sizes[i] for i, _ in members[s::slots]) for s in range(slots)]
+        flats = slab(tops, members[0][1], what=what)
+        for j, (i, _) in enumerate(members):
+            out.buffers[i] = flats[j % slots][: sizes[i]]
+            out.after[i] = members[j - slots][0] if j >= slots else None
     return out
 
 
 def staging(
-    fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False
-) -> list[torch.Tensor | None]:
-    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's."""
+    fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False, ring: bool = False
+) -> Staging:
+    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's.
+
+    ``ring``: at most :data:`RING` buffers per transport kind, so that a transfer of many
+    buckets stages at most ``RING`` of them at a time (see :class:`Staging`).
+    """
     places = [
         None if f.lone(n, receiving=receiving) else (f.kind, f.device)
         for f, n in zip(fills, sizes, strict=True)
     ]
-    return _slabs(places, sizes, "staging")
+    return _slabs(places, sizes, "staging", ring)
 
 
 @attrs.define
 class Encoded:
-    """A message body and the buckets that follow it (``late_status``: a status follows them)."""
+    """A message body and the buckets that follow it (``late_status``: a status follows them).
+
+    ``ring``: the send buffers are a :data:`RING` per transport (see :meth:`after`).
+    """
 
     body: bytes
     buckets: list[Bucket]
     fills: list[Fill]
     late_status: bool = False
-    _staging: list[torch.Tensor | None] | None = None
+    ring: bool = False
+    _staging: Staging | None = None
 
     def lone(self, index: int) -> bool:
         """Whether bucket ``index`` is one tensor sent in place (:meth:`pack` copies nothing)."""
         return self.fills[index].lone(self.buckets[index].nbytes)
 
+    def _staged(self) -> Staging:
+        if self._staging is None:  # allocated on first use
+            self._staging = staging(self.fills, [b.nbytes for b in self.buckets], ring=self.ring)
+        return self._staging
+
+    def after(self, index: int) -> int | None:
+        """The bucket whose send must end before bucket ``index`` is packed (None: none)."""
+        return self._staged().after[index]
+
     def buffer(self, index: int) -> torch.Tensor:
-        """Bucket ``index``'s send buffer, not packed (staging is allocated on first use)."""
-        if self._staging is None:
-            self._staging = staging(self.fills, [b.nbytes for b in self.buckets])
-        return self.fills[index].receive_buffer(self._staging[index])
+        """Bucket ``index``'s send buffer, not packed."""
+        return self.fills[index].receive_buffer(self._staged().buffers[index])
 
     def pack(self, index: int) -> torch.Tensor:
         """The flat uint8 buffer of bucket ``index``, packed."""
-        self.buffer(index)
-        assert self._staging is not None
-        return self.fills[index].pack(self._staging[index])
+        return self.fills[index].pack(self._staged().buffers[index])
 
 
 def encode(
@@ -222,8 +261,12 @@ def encode(
     bucket_bytes: int = 1 << 62,
     pad_to: int = 1,
     split: int = 1,
+    ring: bool = False,
 ) -> Encoded:
-    """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``."""
+    """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``.
+
+    ``ring``: stage the buckets :data:`RING` at a time (see :meth:`Encoded.after`).
+    """
     skeleton, entries = dumps(obj)
     if not entries:
         return Encoded(_LEAN + skeleton, [], [])
@@ -253,7 +296,7 @@ def encode(
     header.update({"t": records, "z": int(late), "k": split})
     data = _JSON.encode(header).encode()
     body = b"".join([_PREFIX.pack(_MAGIC, len(data), len(buckets)), data, skeleton, *inline])
-    return Encoded(body, buckets, fills, late_status=late)
+    return Encoded(body, buckets, fills, late_status=late, ring=ring)
 
 
 def _corrupt(source: str, detail: str) -> PdistError:
@@ -395,7 +438,7 @@ def receive_buffers(decoded: Decoded, device: torch.device) -> list[torch.Tensor
         return []  # a small object: no torch call at all
     places = [(b.kind, transport_device(b.kind, device)) for b in decoded.buckets]
     sizes = [b.nbytes for b in decoded.buckets]
-    return _slabs(places, sizes, "the received tensors")  # type: ignore[return-value]  # no None
+    return _slabs(places, sizes, "the received tensors").buffers  # type: ignore[return-value]
 
 
 def _slices(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pdist
-from pdist.testing import count_collectives, world_sizes
+from pdist.testing import count_collectives, inject, world_sizes
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -146,6 +146,23 @@ def test_collectives_do_not_grow_with_the_number_of_tensors(ctx):
     assert counts[0] <= 4
     assert counts[-1] <= 4
     assert counts[-1] - counts[0] <= 1
+
+
+@world_sizes(2, 3)
+def test_the_source_stages_two_buckets_at_most(ctx):
+    """Four staged buckets and a tensor alone arrive; the source stages two buckets at most."""
+
+    def sent() -> list[torch.Tensor]:  # buckets: 16 MiB, 4 MiB, 17 MiB alone, 16 MiB, 4 MiB
+        small = [torch.full((1 << 18,), float(i)) for i in range(40)]
+        return [*small[:20], torch.full((17 << 18,), -1.0), *small[20:]]
+
+    objs = [sent()] if ctx.rank == 0 else [None]
+    sizes: list[int] = []
+    with inject(allocate=sizes.append):
+        pdist.broadcast_object_list(ctx, objs)
+    assert all(torch.equal(a, b) for a, b in zip(objs[0], sent(), strict=True))
+    if ctx.rank == 0:  # (the receivers keep what they receive)
+        assert sum(n for n in sizes if n >= 1 << 20) <= 2 * (16 << 20) + 64
 
 
 @world_sizes(2)

@@ -75,6 +75,17 @@ def _bol_late_pack_fails(ctx):
         pdist.broadcast_object_list(ctx, objs)
 
 
+def _bol_ring_pack_fails(ctx):
+    """Packing the third bucket fails: it waits for the first to leave its buffer, then fails."""
+    tensors = [torch.ones(1 << 18) for _ in range(40)]  # 40 MiB: buckets of 16, 16 and 8 MiB
+    objs = [tensors] if ctx.rank == 0 else [None]
+    if ctx.rank != 0:
+        pdist.broadcast_object_list(ctx, objs)
+        return
+    with _packing_fails(from_index=2, text="simulated late packing failure"):
+        pdist.broadcast_object_list(ctx, objs)
+
+
 def _mq_tensor_dict_pack_fails(ctx):
     with pdist.message_queue(ctx.world) as group:
         if ctx.rank == 0:
@@ -271,6 +282,9 @@ CASES = {
     ),
     "bol_late_pack_fails": Case(
         _bol_late_pack_fails, 3, 0, RuntimeError, re.escape("simulated late packing failure")
+    ),
+    "bol_ring_pack_fails": Case(
+        _bol_ring_pack_fails, 3, 0, RuntimeError, re.escape("simulated late packing failure")
     ),
     "mq_tensor_dict_pack_fails": Case(
         _mq_tensor_dict_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from fail_together import Case, assert_failed_together, out_of_memory, run_case
+from fail_together import Case, assert_failed_together, fails, out_of_memory, run_case
 from torch import nn
 
 import pdist
@@ -58,6 +58,16 @@ def _staging_fails(ctx):
     model = _net(ctx.rank)
     if ctx.rank == 1:
         with inject(allocate=out_of_memory(1)):  # the staging of the tensors fails
+            pdist.sync_model_states(ctx, model)
+    else:
+        pdist.sync_model_states(ctx, model)
+
+
+def _late_pack_fails(ctx):
+    """The source fails to pack the third bucket, which reuses the first one's staging."""
+    model = nn.ParameterList(nn.Parameter(torch.ones(1 << 18)) for _ in range(40))  # 40 MiB
+    if ctx.rank == 0:
+        with inject(pack=fails("simulated late packing failure", from_index=2)):
             pdist.sync_model_states(ctx, model)
     else:
         pdist.sync_model_states(ctx, model)
@@ -112,6 +122,9 @@ CASES = {
         _bad_buffers_flag, 3, 1, TypeError, re.escape("broadcast_buffers='yes' on rank 1")
     ),
     "staging_fails": Case(_staging_fails, 3, 1, RuntimeError, re.escape("simulated out of memory")),
+    "late_pack_fails": Case(  # the source (rank 0) is the bad rank
+        _late_pack_fails, 3, 0, RuntimeError, re.escape("simulated late packing failure")
+    ),
     "dtensor": Case(
         _dtensor_model,
         3,
