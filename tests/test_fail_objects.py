@@ -9,6 +9,7 @@ ranks), instead of waiting for the 30 s timeout.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 
@@ -64,25 +65,17 @@ def _bol_pack_fails(ctx):
         pdist.broadcast_object_list(ctx, objs)
 
 
-def _bol_late_pack_fails(ctx):
-    """Packing the second bucket (9 MiB and 2 KiB) fails while the first is on the wire."""
-    tensors = [torch.ones(9 << 18), torch.ones(9 << 18), torch.ones(512)]
-    objs = [tensors] if ctx.rank == 0 else [None]
+def _bol_late_pack_fails(ctx, numels=(9 << 18, 9 << 18, 512), from_index=1):
+    """Packing bucket ``from_index`` fails on the source while earlier ones are on the wire.
+
+    By default the second bucket (9 MiB and 2 KiB); with 40 tensors of 1 MiB (buckets of 16,
+    16 and 8 MiB) and ``from_index=2``, the third, which waits for the first to leave its buffer.
+    """
+    objs = [[torch.ones(n) for n in numels]] if ctx.rank == 0 else [None]
     if ctx.rank != 0:
         pdist.broadcast_object_list(ctx, objs)
         return
-    with _packing_fails(from_index=1, text="simulated late packing failure"):
-        pdist.broadcast_object_list(ctx, objs)
-
-
-def _bol_ring_pack_fails(ctx):
-    """Packing the third bucket fails: it waits for the first to leave its buffer, then fails."""
-    tensors = [torch.ones(1 << 18) for _ in range(40)]  # 40 MiB: buckets of 16, 16 and 8 MiB
-    objs = [tensors] if ctx.rank == 0 else [None]
-    if ctx.rank != 0:
-        pdist.broadcast_object_list(ctx, objs)
-        return
-    with _packing_fails(from_index=2, text="simulated late packing failure"):
+    with _packing_fails(from_index=from_index, text="simulated late packing failure"):
         pdist.broadcast_object_list(ctx, objs)
 
 
@@ -284,7 +277,11 @@ CASES = {
         _bol_late_pack_fails, 3, 0, RuntimeError, re.escape("simulated late packing failure")
     ),
     "bol_ring_pack_fails": Case(
-        _bol_ring_pack_fails, 3, 0, RuntimeError, re.escape("simulated late packing failure")
+        functools.partial(_bol_late_pack_fails, numels=[1 << 18] * 40, from_index=2),
+        3,
+        0,
+        RuntimeError,
+        re.escape("simulated late packing failure"),
     ),
     "mq_tensor_dict_pack_fails": Case(
         _mq_tensor_dict_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
