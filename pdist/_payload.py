@@ -91,7 +91,10 @@ def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 @attrs.define
 class Fill:
-    """Tensors (as sent) of ``targets`` at aligned offsets in one bucket, packed on demand."""
+    """Tensors (as sent) of ``targets`` at aligned offsets in one bucket, packed on demand.
+
+    A tensor off the bucket's ``device`` is copied there only when packed, into staging.
+    """
 
     kind: str
     device: torch.device
@@ -118,6 +121,7 @@ class Fill:
             len(self.tensors) == 1
             and total == self.size
             and self.tensors[0].is_contiguous()
+            and self.tensors[0].device == self.device
             and (self.aliased[0] or not receiving)
         )
 
@@ -126,14 +130,18 @@ class Fill:
         _seams.packing(self.index)
         if flat is None:
             return tensor_bytes(self.tensors[0])
-        if all(t.is_contiguous() and t.nbytes % ALIGN == 0 for t in self.tensors):
+        if all(
+            t.is_contiguous() and t.nbytes % ALIGN == 0 and t.device == flat.device
+            for t in self.tensors
+        ):
             # Offsets are then contiguous: one copy in C++.
             torch.cat([tensor_bytes(t) for t in self.tensors], out=flat[: self.size])
             flat[self.size :].zero_()
             return flat
         flat.zero_()  # the padding between parts
         for t, offset in zip(self.tensors, self.offsets, strict=True):
-            _typed(flat[offset : offset + t.nbytes], t).copy_(t.detach())
+            # (.to first: a lazy or functional tensor cannot be copied into a CPU view)
+            _typed(flat[offset : offset + t.nbytes], t).copy_(t.detach().to(flat.device))
         return flat
 
     def receive_buffer(self, flat: torch.Tensor | None) -> torch.Tensor:
@@ -153,10 +161,8 @@ def place(
     alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
     data = t if alias else resolved(t)
     kind = "cpu" if data.is_cpu or device.type == "cpu" else "device"
-    if kind == "cpu" and not data.is_cpu:
-        data, alias = data.cpu(), False
-    elif kind == "device" and data.device != device:
-        data, alias = data.to(device), False
+    if not (data.is_cpu if kind == "cpu" else data.device == device):
+        alias = False  # off the transport's device: staged, and copied there when packed
     index = next((i for i in range(len(fills) - 1, -1, -1) if fills[i].kind == kind), -1)
     if index < 0 or aligned(fills[index].size) + data.nbytes > bucket_bytes:
         index = len(fills)

@@ -145,7 +145,7 @@ def test_one_bad_rank_makes_every_rank_raise_quickly(name):
 _LAZY_READY: list[bool] = []  # per worker process: the lazy backend initializes once
 
 
-def _lazy_sync(mixed: bool):
+def _lazy_sync(mixed: bool, wide: bool = False):
     import torch._lazy
     import torch._lazy.ts_backend
 
@@ -153,15 +153,15 @@ def _lazy_sync(mixed: bool):
         torch._lazy.ts_backend.init()
         _LAZY_READY.append(True)
     with pdist.distributed(timeout=30) as ctx:
-        model = _net(ctx.rank)
+        model = _wide(ctx.rank) if wide else _net(ctx.rank)
         if not (mixed and ctx.rank == 0):
             model = model.to("lazy")
-        weight = model[0].weight
+        first = next(model.parameters())
         try:
             pdist.sync_model_states(ctx, model)
         except pdist.RankMismatchError as exc:
             return str(exc)
-        assert model[0].weight is weight  # written back, not replaced
+        assert next(model.parameters()) is first  # written back, not replaced
         return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
@@ -171,6 +171,19 @@ def test_tensors_off_the_group_device_are_written_back():
     expected = _net(0).state_dict()
     for rank, state in enumerate(states):
         for key, value in expected.items():
+            assert torch.equal(state[key], value), (rank, key)
+
+
+def _wide(seed: int) -> nn.Module:
+    """40 parameters of 1 MiB: buckets of 16, 16 and 8 MiB, the third reusing the first's."""
+    return nn.ParameterList(nn.Parameter(torch.full((1 << 18,), i + seed / 2)) for i in range(40))
+
+
+def test_tensors_off_the_group_device_pass_through_the_staging_ring():
+    """Off the transport's device every tensor is staged; past two buckets, buffers are reused."""
+    states = spawn(_lazy_sync, 2, False, True, timeout=120)
+    for rank, state in enumerate(states):
+        for key, value in _wide(0).state_dict().items():
             assert torch.equal(state[key], value), (rank, key)
 
 
