@@ -16,6 +16,7 @@ import importlib
 import os
 import pickle
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "Store",
     "TCPStore",
     "all_gather_into",
+    "before_destroying_groups",
     "default_store",
     "device_mesh_from_group",
     "dtensor_type",
@@ -85,6 +87,13 @@ _c10d: Any = torch._C._distributed_c10d
 # class without checking, and dereferences null for a C++ work (gloo's, NCCL's): SIGSEGV.
 # A work implemented in Python is what it expects; pdist wraps the others in one there.
 _REGISTER_NEEDS_PY_WORK = TORCH < (2, 13)
+# Up to torch 2.8 (the fix, pytorch/pytorch#154976, landed near its branch cut) a gloo
+# group's destructor joins its worker threads holding the GIL, while a worker that drops the
+# last reference to a tensor with a Python object takes the GIL: destroy_process_group right
+# after a collective deadlocks now and then: 7 in 272 runs of a one-rank script on torch 2.6
+# (2 cores, 4 at once), none in 160 with this wait first.
+_DESTROY_HOLDS_GIL = TORCH < (2, 9)
+_WORKER_GRACE_SEC = 0.02  # long enough for a descheduled worker to drop its last work
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +112,7 @@ class Features:
     store_clone: bool  # a second connection to the store
     sparse_check_pinning: bool
     fsdp2_on_cpu: bool
+    destroy_wait_sec: float  # how long a block waits before destroying its groups
 
     def summary(self) -> list[str]:
         """One ``name: value`` line per feature (what ``pdist doctor`` prints)."""
@@ -137,6 +147,7 @@ def _probe() -> Features:
         sparse_check_pinning=_sparse_takes_check_pinning(),
         # FSDP2 records events on its streams; torch 2.6's CPU stream cannot.
         fsdp2_on_cpu=hasattr(torch.cpu.Stream, "record_event"),
+        destroy_wait_sec=_WORKER_GRACE_SEC if _DESTROY_HOLDS_GIL else 0.0,
     )
 
 
@@ -216,6 +227,12 @@ def register_work(tensor: torch.Tensor, work: Any) -> None:
 def work_from_future(future: Any) -> Any:
     """A work that completes with ``future`` (torch's ``_create_work_from_future``)."""
     return _c10d._create_work_from_future(future)
+
+
+def before_destroying_groups() -> None:
+    """Let gloo's worker threads drop their last works first, where that avoids a deadlock."""
+    if FEATURES.destroy_wait_sec:
+        time.sleep(FEATURES.destroy_wait_sec)  # releases the GIL
 
 
 def split_group(

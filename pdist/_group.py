@@ -14,6 +14,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ._compat import before_destroying_groups
 from ._errors import PdistError
 from ._inflight import InFlight
 
@@ -118,6 +119,8 @@ class Lifetime:
             self.closed = True
             created, self._created, self._pgs = self._created, [], []
             self.partitions.clear()
+        if self._owns_default or created:
+            before_destroying_groups()
         # Destroying the default group destroys every group torch knows of.
         for pg in [None] if self._owns_default else reversed(created):
             try:

@@ -95,6 +95,9 @@ def _worker_main(conn: Connection, rank: int) -> None:
                 # A job that left the default group initialized must not leak it into the next.
                 if dist.is_available() and dist.is_initialized():
                     print("pdist.testing: the job left a process group initialized; destroying it")
+                    from ._compat import before_destroying_groups
+
+                    before_destroying_groups()
                     dist.destroy_process_group()
                 sys.stdout.flush()
                 sys.stderr.flush()

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import pdist
+from pdist._compat import before_destroying_groups
 from pdist._layout import make_layout
 from pdist.testing import spawn, world_sizes
 
@@ -159,6 +160,7 @@ def _adopt() -> tuple[int, bool, bool]:
     still = dist.is_initialized()
     t = torch.ones(1)
     dist.all_reduce(t)  # the adopted default group still works
+    before_destroying_groups()  # (torch 2.6's destructor can deadlock right after a collective)
     dist.destroy_process_group()
     return total, still, t.item() == int(os.environ["WORLD_SIZE"])
 
