@@ -93,7 +93,7 @@ def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 class Fill:
     """Tensors (as sent) of ``targets`` at aligned offsets in one bucket, packed on demand.
 
-    A tensor off the bucket's ``device`` is copied there only when packed, into staging.
+    A tensor off the bucket's ``device`` is never lone: it is copied there when packed.
     """
 
     kind: str
@@ -161,8 +161,6 @@ def place(
     alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
     data = t if alias else resolved(t)
     kind = "cpu" if data.is_cpu or device.type == "cpu" else "device"
-    if not (data.is_cpu if kind == "cpu" else data.device == device):
-        alias = False  # off the transport's device: staged, and copied there when packed
     index = next((i for i in range(len(fills) - 1, -1, -1) if fills[i].kind == kind), -1)
     if index < 0 or aligned(fills[index].size) + data.nbytes > bucket_bytes:
         index = len(fills)
