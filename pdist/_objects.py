@@ -302,12 +302,11 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
                 buffers[i] = fill.pack(flat) if is_src else fill.receive_buffer(flat)
     except Exception as exc:
         failure = exc
-    reuses = any(after is not None for after in staged.after)
-    late = reuses
+    freed = {after for after in staged.after if after is not None}  # buckets whose buffer is reused
+    late = bool(freed)
     if fills or failure is not None:  # with whether any rank reuses a buffer (then: late)
-        late = not _agree.status(group, failure, what=what, summary=str(reuses)) or reuses
+        late = not _agree.status(group, failure, what=what, summary=str(late)) or late
     works: list[Any] = []
-    unpacked: set[int] = set()
     for i, after in enumerate(staged.after):
         if after is not None:  # bucket i reuses the buffer of bucket ``after``, once it moved
             works[after].wait()
@@ -317,7 +316,6 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
                     fills[i].pack(buffers[i])
                 elif failure is None:
                     fills[after].unpack(buffers[after])
-                    unpacked.add(after)
             except Exception as exc:
                 failure = exc
         works += _broadcasts(group, src, [fills[i]], [buffers[i]])
@@ -325,7 +323,7 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
         work.wait()
         staged_here = staged.buffers[i] is not None  # (a lone tensor is received in place)
         try:
-            if failure is None and not is_src and staged_here and i not in unpacked:
+            if failure is None and not is_src and staged_here and i not in freed:
                 fills[i].unpack(buffers[i])
         except Exception as exc:
             failure = exc
