@@ -63,9 +63,14 @@ def _staging_fails(ctx):
         pdist.sync_model_states(ctx, model)
 
 
+def _wide(seed: int) -> nn.Module:
+    """40 parameters of 1 MiB: buckets of 16, 16 and 8 MiB, the third reusing the first's."""
+    return nn.ParameterList(nn.Parameter(torch.full((1 << 18,), i + seed / 2)) for i in range(40))
+
+
 def _late_pack_fails(ctx):
     """The source fails to pack the third bucket, which reuses the first one's staging."""
-    model = nn.ParameterList(nn.Parameter(torch.ones(1 << 18)) for _ in range(40))  # 40 MiB
+    model = _wide(ctx.rank)
     if ctx.rank == 0:
         with inject(pack=fails("simulated late packing failure", from_index=2)):
             pdist.sync_model_states(ctx, model)
@@ -172,11 +177,6 @@ def test_tensors_off_the_group_device_are_written_back():
     for rank, state in enumerate(states):
         for key, value in expected.items():
             assert torch.equal(state[key], value), (rank, key)
-
-
-def _wide(seed: int) -> nn.Module:
-    """40 parameters of 1 MiB: buckets of 16, 16 and 8 MiB, the third reusing the first's."""
-    return nn.ParameterList(nn.Parameter(torch.full((1 << 18,), i + seed / 2)) for i in range(40))
 
 
 def test_tensors_off_the_group_device_pass_through_the_staging_ring():

@@ -387,7 +387,7 @@ def _big_params(ctx, n: int, *, strided_on: int = -1) -> nn.ParameterList:
 
 @world_sizes(2, 3)
 def test_sync_model_states_when_only_one_rank_stages_its_buckets(ctx):
-    """Tensors no rank can receive in place on one rank only: it alone reuses staging."""
+    """Parameters that only one rank cannot receive in place: that rank alone reuses staging."""
     model = _big_params(ctx, 3, strided_on=ctx.world_size - 1)
     pdist.sync_model_states(ctx, model)
     assert all(torch.equal(p, torch.full((1536, 1536), float(i))) for i, p in enumerate(model))
