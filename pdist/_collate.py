@@ -194,20 +194,21 @@ def _local(batches: Any, device: torch.device) -> _Local:
 
 def _alike(leaves: list[torch.Tensor], like: list[tuple[Any, ...]]) -> bool:
     """A few cheap checks that a batch's leaves are like batch 0's (else :func:`_check_batch`)."""
-    count = -1
+    count = None
     for t, (kind, dtype, layout, cpu, device, shape) in zip(leaves, like, strict=True):
+        size = t.shape  # read once: each tensor attribute costs a call
+        if count is None:
+            count = size[0] if size else -1
         if (
             type(t) is not kind
             or t.dtype is not dtype
             or t.layout is not layout
             or t.is_nested
             or not (t.is_cpu if cpu else t.device == device)
-            or not t.shape
-            or (t.shape != shape and t.shape[1:] != shape[1:])
-            or count not in (-1, t.shape[0])
+            or (size != shape and (not size or size[1:] != shape[1:]))
+            or size[0] != count
         ):
             return False
-        count = t.shape[0]
     return True
 
 

@@ -249,16 +249,24 @@ def _collate(ctx: DistContext, stack: Stack) -> Fns:
     mine, out = torch.ones(32 * 5000 * 8), torch.empty(32 * 5000 * 8 * world)
     pg = ctx.world.cpu_group
 
-    def in_dataset_order() -> None:
+    def in_dataset_order(rows: torch.Tensor) -> None:
         # The same bytes straight into a fresh result in dataset order (rank j's row r is
         # sample r * W + j): the data movement collate's result needs, without metadata.
         grid = torch.empty(32, 5000, world, 8)
-        dist.all_gather([grid[:, :, j] for j in range(world)], mine.view(32, 5000, 8), group=pg)
+        dist.all_gather([grid[:, :, j] for j in range(world)], rows, group=pg)
+
+    def cat_then_in_dataset_order() -> None:
+        # As above from the batches: each leaf's batches concatenated into fresh memory first.
+        rows = torch.zeros(32, 5000, 8)
+        for i, leaf in enumerate(batches[0]):
+            torch.cat([batch[leaf] for batch in batches], out=rows[i, :count])
+        in_dataset_order(rows)
 
     return {
         "pdist": lambda: pdist.collate_batches(ctx, batches),
         "raw_all_gather": lambda: all_gather_into(out, mine, pg),
-        "all_gather_in_dataset_order": in_dataset_order,
+        "all_gather_in_dataset_order": lambda: in_dataset_order(mine.view(32, 5000, 8)),
+        "cat_then_gather_in_dataset_order": cat_then_in_dataset_order,
     }
 
 
