@@ -135,14 +135,14 @@ def raise_own(
 
 
 def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
-    """The receiving end tells group index ``peer`` whether it can go on; raises if it failed."""
+    """Tell group index ``peer`` (in :func:`hear`) whether this end can go on; raises if not."""
     dist.send(_slot(group.rank, error), dst=group.ranks[peer], group=group.cpu_group)
     if error is not None:
         raise_own(group, error, what, wrap_pdist=True)
 
 
 def hear(group: Group, peer: int, *, what: str) -> None:
-    """The sending end hears from group index ``peer`` (:func:`tell`); raises if it failed."""
+    """Hear from group index ``peer`` (:func:`tell`) whether it could go on; raises if not."""
     slot = torch.empty(_SLOT, dtype=torch.uint8)
     dist.recv(slot, src=group.ranks[peer], group=group.cpu_group)
     if int(slot[0]) != OK:

@@ -30,6 +30,7 @@ __all__ = [
     "broadcast_tensor_dict",
     "broadcast_tensors",
     "check_tensor_dict",
+    "stream",
 ]
 
 DEFAULT_MIN_TENSOR_BYTES = 1024  # smaller tensors travel inside the header message
@@ -130,29 +131,56 @@ def _broadcast_out(
     header(group, encoded.body, src, what=what)
     if not encoded.buckets:
         return obj
-    failure, flat = None, None
+    early: BaseException | None = None
+    first = None
     try:  # staging and the first bucket are ready before the status, so their failure travels
-        flat = encoded.pack(0)
+        first = encoded.pack(0)
     except Exception as exc:
-        failure = exc
-    _agree.status(group, failure, what=what)
-    works = []
-    for i, bucket in enumerate(encoded.buckets):
-        assert flat is not None
-        works += _broadcasts(group, src, [bucket], [flat])
-        if i + 1 < len(encoded.buckets):
-            reused = encoded.after(i + 1)
-            if reused is not None:
-                works[reused].wait()
-            try:
-                flat = encoded.buffer(i + 1) if failure else encoded.pack(i + 1)
-            except Exception as exc:  # the receivers still get every bucket, then the error
-                failure, flat = exc, encoded.buffer(i + 1)
+        early = exc
+    _agree.status(group, early, what=what)
+    works, failure = stream(
+        encoded,
+        lambda i, flat: _broadcasts(group, src, encoded.buckets[i : i + 1], [flat])[0],
+        [first],
+    )
     for work in works:
         work.wait()
     # Without a late status the later buckets are lone tensors sent in place (no packing).
     _agree.settle(group, failure, together=encoded.late_status, what=what)
     return obj
+
+
+def stream(
+    encoded: _payload.Encoded, send: Callable[[int, torch.Tensor], Any], packed: list[Any]
+) -> tuple[list[Any], BaseException | None]:
+    """Start ``send(i, buffer)`` (a work) for every bucket; the first are ``packed`` already.
+
+    Each later bucket is packed while the one before moves, once the bucket that last used
+    its ring buffer has moved. After a failure to pack every bucket still moves (unpacked
+    ones as zeros), so that the peers are not left waiting: returns the works still to wait
+    for and the failure, which the caller reports in a late status.
+    """
+    works: list[Any] = []
+    failure: BaseException | None = None
+    for i in range(len(encoded.buckets)):
+        if i < len(packed):
+            flat = packed[i]
+        else:
+            reused = encoded.after(i)
+            if reused is not None and works[reused] is not None:
+                works[reused].wait()
+                works[reused] = None  # gloo's send works wait for a second send when waited twice
+            if failure is None:
+                try:
+                    flat = encoded.pack(i)
+                except Exception as exc:
+                    failure = exc
+            if failure is not None:
+                flat = encoded.buffer(i)
+                if not encoded.lone(i):  # never this process's stale memory on the wire
+                    flat.zero_()
+        works.append(send(i, flat))
+    return [w for w in works if w is not None], failure
 
 
 def broadcast_object(

@@ -2,7 +2,8 @@
 
 The receiver answers the header (``_agree.tell``) before any bucket moves, so
 that its failure to decode or allocate reaches the sender instead of leaving
-it waiting.
+it waiting. A sender that packs buckets after the answer (two staging buffers
+per transport, ``_objects.stream``) tells the receiver after them whether it could.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ._buffers import ALIGN
 from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._objects import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, check_tensor_dict
+from ._objects import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, check_tensor_dict, stream
 from ._payload import Decoded, bucket_count, decode, encode, receive_buffers, tensors_of
 from ._serialize import Safe, loads, safe_or_error
 
@@ -58,9 +59,12 @@ def _send_payload(
             bucket_bytes=DEFAULT_BUCKET_BYTES,
             pad_to=parts * ALIGN if parts > 1 else 1,
             split=parts,
+            ring=parts == 1,  # the receivers of a stage could not agree on a late failure
         )
-        # Packed before the header, so that a failure travels in it.
-        flats = [encoded.pack(i) for i in range(len(encoded.buckets))]
+        # Packed before the header, so that a failure travels in it: the first bucket, or
+        # every bucket when the later ones have no late status.
+        ahead = 1 if encoded.late_status else len(encoded.buckets)
+        packed = [encoded.pack(i) for i in range(min(ahead, len(encoded.buckets)))]
     except Exception as exc:
         _wire.send_bytes(g, None, peer, error=exc, what=what)
         raise  # unreachable: send_bytes raised
@@ -68,13 +72,20 @@ def _send_payload(
     if not encoded.buckets:
         return
     _agree.hear(g, peer, what=what)  # the receiver's status: raises if it failed
-    works = [
-        dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=g.transport(b.kind))
-        for b, flat in zip(encoded.buckets, flats, strict=True)
-    ]
+
+    def send(i: int, flat: torch.Tensor) -> Any:
+        kind = encoded.buckets[i].kind
+        return dist.isend(
+            _part(flat, split).contiguous(), dst=g.ranks[peer], group=g.transport(kind)
+        )
+
+    works, failure = stream(encoded, send, packed)
     for work in works:
-        if work is not None:
-            work.wait()
+        work.wait()
+    if encoded.late_status:
+        _agree.tell(g, peer, failure, what=what)
+    elif failure is not None:  # the later buckets are lone tensors: nothing to pack
+        _agree.raise_own(g, failure, what)
 
 
 def _decoded(
@@ -135,6 +146,8 @@ def _recv_payload(
         dist.recv(part, src=g.ranks[peer], group=g.transport(bucket.kind))
         if stage is not None:
             all_gather_into(data, part, stage.transport(bucket.kind))
+    if decoded.late_status:  # whether the sender could pack every bucket
+        _agree.hear(g, peer, what=what)
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)
 
 

@@ -269,7 +269,8 @@ def encode(
 ) -> Encoded:
     """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``.
 
-    ``ring``: stage the buckets :data:`RING` at a time (see :meth:`Encoded.after`).
+    ``ring``: stage the buckets :data:`RING` at a time (see :meth:`Encoded.after`); a later
+    bucket is then packed after the header has gone, so a late status follows the buckets.
     """
     skeleton, entries = dumps(obj)
     if not entries:
@@ -295,7 +296,7 @@ def encode(
         code = dtypes.setdefault(dtype_name(t.dtype), len(dtypes))
         records.append([code, flags, bucket, offset, list(t.shape)])
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
-    late = any(not f.lone(b.nbytes) for f, b in zip(fills[1:], buckets[1:], strict=True))
+    late = ring and any(not f.lone(b.nbytes) for f, b in zip(fills[1:], buckets[1:], strict=True))
     header = {"s": len(skeleton), "d": list(dtypes), "b": [list(b) for b in buckets]}
     header.update({"t": records, "z": int(late), "k": split})
     data = _JSON.encode(header).encode()

@@ -79,6 +79,15 @@ def _bol_late_pack_fails(ctx, numels=(9 << 18, 9 << 18, 512), from_index=1):
         pdist.broadcast_object_list(ctx, objs)
 
 
+def _send_late_pack_fails(ctx, numels=(9 << 18, 9 << 18, 512), from_index=1):
+    """As :func:`_bol_late_pack_fails`, from a sender to its receiver."""
+    if ctx.rank == 1:
+        pdist.recv_object(ctx, src=0)
+        return
+    with _packing_fails(from_index=from_index, text="simulated late packing failure"):
+        pdist.send_object(ctx, [torch.ones(n) for n in numels], dst=1)
+
+
 def _mq_tensor_dict_pack_fails(ctx):
     with pdist.message_queue(ctx.world) as group:
         if ctx.rank == 0:
@@ -279,6 +288,16 @@ CASES = {
     "bol_ring_pack_fails": Case(
         functools.partial(_bol_late_pack_fails, numels=[1 << 18] * 40, from_index=2),
         3,
+        0,
+        RuntimeError,
+        re.escape("simulated late packing failure"),
+    ),
+    "send_late_pack_fails": Case(
+        _send_late_pack_fails, 2, 0, RuntimeError, re.escape("simulated late packing failure")
+    ),
+    "send_ring_pack_fails": Case(
+        functools.partial(_send_late_pack_fails, numels=[1 << 18] * 40, from_index=2),
+        2,
         0,
         RuntimeError,
         re.escape("simulated late packing failure"),

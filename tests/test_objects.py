@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pdist
-from pdist.testing import count_collectives, world_sizes
+from pdist.testing import count_collectives, inject, world_sizes
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -128,6 +128,25 @@ def test_send_recv_object(ctx):
         pdist.send_object(ctx, _payload(0), dst=2)
     elif ctx.rank == 2:
         _check(pdist.recv_object(ctx, src=0), 0)
+
+
+@world_sizes(3)
+def test_the_sender_stages_two_buckets_at_most(ctx):
+    """Many staged buckets and a tensor alone arrive; the sender stages two buckets at most."""
+
+    def sent() -> dict[str, torch.Tensor]:  # buckets: 16 MiB, 4 MiB, 17 MiB alone, 16 MiB, 4 MiB
+        small = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(40)}
+        return {**dict(list(small.items())[:20]), "big": torch.full((17 << 18,), -1.0), **small}
+
+    sizes: list[int] = []
+    if ctx.rank == 0:
+        with inject(allocate=sizes.append):
+            pdist.send_tensor_dict(ctx, sent(), dst=2)
+        assert sum(n for n in sizes if n >= 1 << 20) <= 2 * (16 << 20) + 64
+    elif ctx.rank == 2:
+        got = pdist.recv_tensor_dict(ctx, src=0)
+        assert list(got) == list(sent())
+        assert all(torch.equal(got[k], v) for k, v in sent().items())
 
 
 @world_sizes(2)
