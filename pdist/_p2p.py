@@ -82,10 +82,8 @@ def _send_payload(
     works, failure = stream(encoded, send, packed)
     for work in works:
         work.wait()
-    if encoded.late_status:
+    if encoded.late_status:  # else every bucket was packed before the header
         _agree.tell(g, peer, failure, what=what)
-    elif failure is not None:  # the later buckets are lone tensors: nothing to pack
-        _agree.raise_own(g, failure, what)
 
 
 def _decoded(
