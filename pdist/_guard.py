@@ -275,7 +275,11 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
             deadline.check_in(store, "guard")
         deadline.stage = "probing the world communicator"
         start = time.monotonic()
-        probe_world(ctx)
+        try:
+            probe_world(ctx)
+        except Exception as exc:  # a peer that gave up at its deadline closed the connection
+            deadline.abort_if_expired(exc)
+            raise
         took = time.monotonic() - start
         logger.info("pdist: world communicator of %d ranks answered in %.2fs", ctx.world_size, took)
         deadline.stage = "running the guarded block"

@@ -266,6 +266,14 @@ def _oom(fn, world_size: int, bad_rank: int) -> Case:
     return Case(fn, world_size, bad_rank, RuntimeError, re.escape("simulated out of memory"))
 
 
+def _late(fn, world_size: int, **payload) -> Case:
+    """A case whose rank 0 fails to pack a bucket after the first (``payload``: which)."""
+    call = functools.partial(fn, **payload)
+    return Case(call, world_size, 0, RuntimeError, re.escape("simulated late packing failure"))
+
+
+RING = {"numels": [1 << 18] * 40, "from_index": 2}  # the third of 16, 16, 8 MiB: a reused buffer
+
 CASES = {
     # name: the call, world size, the bad rank, the error type on every rank, the text
     "broadcast_large_receiver_cannot_allocate": _oom(
@@ -282,26 +290,10 @@ CASES = {
     "bol_pack_fails": Case(
         _bol_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
     ),
-    "bol_late_pack_fails": Case(
-        _bol_late_pack_fails, 3, 0, RuntimeError, re.escape("simulated late packing failure")
-    ),
-    "bol_ring_pack_fails": Case(
-        functools.partial(_bol_late_pack_fails, numels=[1 << 18] * 40, from_index=2),
-        3,
-        0,
-        RuntimeError,
-        re.escape("simulated late packing failure"),
-    ),
-    "send_late_pack_fails": Case(
-        _send_late_pack_fails, 2, 0, RuntimeError, re.escape("simulated late packing failure")
-    ),
-    "send_ring_pack_fails": Case(
-        functools.partial(_send_late_pack_fails, numels=[1 << 18] * 40, from_index=2),
-        2,
-        0,
-        RuntimeError,
-        re.escape("simulated late packing failure"),
-    ),
+    "bol_late_pack_fails": _late(_bol_late_pack_fails, 3),
+    "bol_ring_pack_fails": _late(_bol_late_pack_fails, 3, **RING),
+    "send_late_pack_fails": _late(_send_late_pack_fails, 2),
+    "send_ring_pack_fails": _late(_send_late_pack_fails, 2, **RING),
     "mq_tensor_dict_pack_fails": Case(
         _mq_tensor_dict_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
     ),
