@@ -196,14 +196,14 @@ def _alike(leaves: list[torch.Tensor], like: list[tuple[Any, ...]]) -> bool:
     """A few cheap checks that a batch's leaves are like batch 0's (else :func:`_check_batch`)."""
     count = None
     for t, (kind, dtype, layout, cpu, device, shape) in zip(leaves, like, strict=True):
+        if type(t) is not kind or t.is_nested:  # a nested tensor raises when its shape is read
+            return False
         size = t.shape  # read once: each tensor attribute costs a call
         if count is None:
             count = size[0] if size else -1
         if (
-            type(t) is not kind
-            or t.dtype is not dtype
+            t.dtype is not dtype
             or t.layout is not layout
-            or t.is_nested
             or not (t.is_cpu if cpu else t.device == device)
             or (size != shape and (not size or size[1:] != shape[1:]))
             or size[0] != count
@@ -219,6 +219,11 @@ def _check_batch(
     firsts: list[torch.Tensor],
     device: torch.device,
 ) -> None:
+    for name, t in zip(names, leaves, strict=True):  # first: a nested tensor has no shape
+        problem = _leaf_problem(t, device)
+        if problem is not None:
+            msg = f"leaf {name} of batch {i} is {problem}"
+            raise ValueError(msg)
     if any(t.dim() == 0 for t in leaves):
         msg = f"batch {i} has a 0-d tensor; the sample dimension comes first"
         raise ValueError(msg)
@@ -227,10 +232,6 @@ def _check_batch(
         msg = f"the leaves of batch {i} hold different sample counts {sorted(sizes)}"
         raise ValueError(msg)
     for name, first, t in zip(names, firsts, leaves, strict=True):
-        problem = _leaf_problem(t, device)
-        if problem is not None:
-            msg = f"leaf {name} of batch {i} is {problem}"
-            raise ValueError(msg)
         if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
             msg = (
                 f"leaf {name} is {t.dtype} {tuple(t.shape[1:])} in batch {i} "

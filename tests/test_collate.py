@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,12 @@ def test_mismatches_raise_on_every_rank(ctx):
     assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
 
 
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that nested tensors are a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.zeros(1, 2), torch.zeros(2, 2)])
+
+
 MALFORMED = {
     "keys": (
         [{"a": torch.zeros(1)}, {"b": torch.zeros(1)}],
@@ -132,6 +139,15 @@ MALFORMED = {
     "sparse": (
         [{"a": torch.zeros(1, 2).to_sparse()}],
         r"leaf \['a'\] of batch 0 is a torch.sparse_coo tensor; .* pass .to_dense\(\)",
+    ),
+    "nested": ([{"a": _nested()}], r"leaf \['a'\] of batch 0 is a nested tensor; pad it"),
+    "nested later": (
+        [{"a": torch.zeros(1, 2)}, {"a": _nested()}],
+        r"leaf \['a'\] of batch 1 is a nested tensor; pad it",
+    ),
+    "sparse later": (
+        [{"a": torch.zeros(1, 2)}, {"a": torch.zeros(1, 2).to_sparse()}],
+        r"leaf \['a'\] of batch 1 is a torch.sparse_coo tensor",
     ),
     "meta": (
         [{"a": torch.zeros(1, device="meta")}],
