@@ -167,7 +167,7 @@ def stream(
             flat = packed[i]
         else:
             reused = encoded.after(i)
-            if reused is not None and works[reused] is not None:
+            if reused is not None:  # each buffer is taken again once at most
                 works[reused].wait()
                 works[reused] = None  # gloo's send works wait for a second send when waited twice
             if failure is None:
