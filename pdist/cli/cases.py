@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import pdist
 from pdist import DistContext
+from pdist._buffers import allocate
 from pdist._compat import all_gather_into, funcol, reduce_scatter_into
 
 from .bench import Case, Fns, run_cases
@@ -172,16 +173,23 @@ def _structured_b(ctx: DistContext, stack: Stack) -> Fns:
         for t in tensors:
             dist.broadcast(t, 0, group=pg)
 
-    def cat_then_broadcast() -> None:
-        # The least any one-collective transport does: concatenate into fresh memory on the
-        # source, receive into fresh memory elsewhere (flat_broadcast reuses warm buffers).
-        dist.broadcast(torch.cat(tensors) if ctx.rank == 0 else torch.empty_like(flat), 0, pg)
+    def fresh() -> torch.Tensor:  # as pdist allocates: huge pages at this size
+        return allocate(flat.nbytes).view(flat.dtype)
+
+    def into_fresh() -> None:
+        # What a result in new tensors costs at least: the receivers' fresh memory.
+        dist.broadcast(flat if ctx.rank == 0 else fresh(), 0, pg)
+
+    def cat_into_fresh() -> None:
+        # The least any one-collective transport does: the source concatenates too.
+        dist.broadcast(torch.cat(tensors, out=fresh()) if ctx.rank == 0 else fresh(), 0, pg)
 
     return {
         "pdist": lambda: pdist.broadcast_object_list(ctx, _from_rank0(ctx, tensors)),
         "flat_broadcast": lambda: dist.broadcast(flat, 0, group=pg),
         "per_tensor_broadcast": per_tensor,
-        "cat_then_broadcast": cat_then_broadcast,
+        "flat_into_fresh": into_fresh,
+        "cat_into_fresh_then_broadcast": cat_into_fresh,
     }
 
 
@@ -248,6 +256,8 @@ def _collate(ctx: DistContext, stack: Stack) -> Fns:
     ]
     mine, out = torch.ones(32 * 5000 * 8), torch.empty(32 * 5000 * 8 * world)
     pg = ctx.world.cpu_group
+    record = torch.zeros(4096, dtype=torch.uint8)  # the size of collate's metadata message
+    records = torch.empty(world, 4096, dtype=torch.uint8)
 
     def in_dataset_order(rows: torch.Tensor) -> None:
         # The same bytes straight into a fresh result in dataset order (rank j's row r is
@@ -262,11 +272,17 @@ def _collate(ctx: DistContext, stack: Stack) -> Fns:
             torch.cat([batch[leaf] for batch in batches], out=rows[i, :count])
         in_dataset_order(rows)
 
+    def round_trip_then_cat() -> None:
+        # As above after one 4 KiB all-gather: the metadata round trip failing together needs.
+        dist.all_gather(list(records), record, group=pg)
+        cat_then_in_dataset_order()
+
     return {
         "pdist": lambda: pdist.collate_batches(ctx, batches),
         "raw_all_gather": lambda: all_gather_into(out, mine, pg),
         "all_gather_in_dataset_order": lambda: in_dataset_order(mine.view(32, 5000, 8)),
         "cat_then_gather_in_dataset_order": cat_then_in_dataset_order,
+        "round_trip_cat_gather_in_dataset_order": round_trip_then_cat,
     }
 
 
