@@ -16,6 +16,7 @@ import pdist
 from pdist import DistContext
 from pdist._buffers import allocate
 from pdist._compat import all_gather_into, funcol, reduce_scatter_into
+from pdist._wire import FIRST_MESSAGE_BYTES
 
 from .bench import Case, Fns, run_cases
 
@@ -256,8 +257,8 @@ def _collate(ctx: DistContext, stack: Stack) -> Fns:
     ]
     mine, out = torch.ones(32 * 5000 * 8), torch.empty(32 * 5000 * 8 * world)
     pg = ctx.world.cpu_group
-    record = torch.zeros(4096, dtype=torch.uint8)  # the size of collate's metadata message
-    records = torch.empty(world, 4096, dtype=torch.uint8)
+    record = torch.zeros(FIRST_MESSAGE_BYTES, dtype=torch.uint8)  # collate's metadata message
+    records = [torch.empty_like(record) for _ in range(world)]
 
     def in_dataset_order(rows: torch.Tensor) -> None:
         # The same bytes straight into a fresh result in dataset order (rank j's row r is
@@ -274,7 +275,7 @@ def _collate(ctx: DistContext, stack: Stack) -> Fns:
 
     def round_trip_then_cat() -> None:
         # As above after one 4 KiB all-gather: the metadata round trip failing together needs.
-        dist.all_gather(list(records), record, group=pg)
+        dist.all_gather(records, record, group=pg)
         cat_then_in_dataset_order()
 
     return {
