@@ -11,7 +11,6 @@ skeleton is pickle, every field a peer sends is checked, and nothing here moves 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -51,7 +50,7 @@ _MAGIC = b"pdP1"
 _LEAN = b"pdP0"  # a body of only a skeleton (no tensors): the magic, then the pickle
 _FIELDS = {"s", "d", "b", "t", "z", "k"}  # skeleton length, dtypes, buckets, tensors, status, parts
 _MAX_DIMS = 64
-_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps builds one per call
+_JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # ours has no cycle
 _JSON_IN = json.JSONDecoder()  # json.loads detects the bytes' encoding in Python first
 _INT64 = 1 << 63  # sizes, shapes and offsets torch can hold are below it
 
@@ -89,11 +88,20 @@ def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (flat if t.dtype == torch.uint8 else flat.view(t.dtype)).view(t.shape)
 
 
+# Dtypes a bucket of one of them is packed in, with one C++ call and no per-tensor view
+_CAT_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32}
+    | {torch.int16, torch.int8, torch.uint8, torch.bool}
+)
+
+
 @attrs.define
 class Fill:
     """Tensors (as sent) of ``targets`` at aligned offsets in one bucket, packed on demand.
 
     A tensor off the bucket's ``device`` is never lone: it is copied there when packed.
+    ``dtype``: the dtype of every tensor while they are contiguous on ``device`` and end
+    on :data:`ALIGN` bytes, so that they pack with one concatenation (else None).
     """
 
     kind: str
@@ -104,15 +112,24 @@ class Fill:
     aliased: list[bool] = attrs.field(factory=list)
     offsets: list[int] = attrs.field(factory=list)
     size: int = 0
+    dtype: torch.dtype | None = None
 
-    def add(self, data: torch.Tensor, target: torch.Tensor, *, alias: bool) -> int:
-        """Reserve room for ``data``; returns its byte offset in the bucket."""
+    def add(
+        self, data: torch.Tensor, target: torch.Tensor, *, alias: bool, nbytes: int, here: bool
+    ) -> int:
+        """Reserve room for ``data`` (``nbytes``, on ``device`` if ``here``); returns its offset."""
         offset = aligned(self.size)
+        if not self.tensors:
+            self.dtype = data.dtype
+        if self.dtype is not None and not (
+            here and nbytes % ALIGN == 0 and data.dtype == self.dtype and data.is_contiguous()
+        ):
+            self.dtype = None
         self.tensors.append(data)
         self.targets.append(target)
         self.aliased.append(alias)
         self.offsets.append(offset)
-        self.size = offset + data.nbytes
+        self.size = offset + nbytes
         return offset
 
     def lone(self, total: int, *, receiving: bool = False) -> bool:
@@ -130,12 +147,14 @@ class Fill:
         _seams.packing(self.index)
         if flat is None:
             return tensor_bytes(self.tensors[0])
-        if all(
-            t.is_contiguous() and t.nbytes % ALIGN == 0 and t.device == flat.device
-            for t in self.tensors
-        ):
-            # Offsets are then contiguous: one copy in C++.
-            torch.cat([tensor_bytes(t) for t in self.tensors], out=flat[: self.size])
+        if self.dtype is not None:  # the offsets are contiguous: one copy in C++
+            out = flat[: self.size]
+            with torch.no_grad():
+                if self.dtype in _CAT_DTYPES:
+                    parts = [t if t.dim() == 1 else t.view(-1) for t in self.tensors]
+                    torch.cat(parts, out=out.view(self.dtype))
+                else:
+                    torch.cat([tensor_bytes(t) for t in self.tensors], out=out)
             flat[self.size :].zero_()
             return flat
         flat.zero_()  # the padding between parts
@@ -160,12 +179,17 @@ def place(
     """Put ``t`` into the open bucket of its transport: ``(bucket index, byte offset)``."""
     alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
     data = t if alias else resolved(t)
-    kind = "cpu" if data.is_cpu or device.type == "cpu" else "device"
-    index = next((i for i in range(len(fills) - 1, -1, -1) if fills[i].kind == kind), -1)
-    if index < 0 or aligned(fills[index].size) + data.nbytes > bucket_bytes:
+    cpu, nbytes = data.is_cpu, data.nbytes
+    kind = "cpu" if cpu or device.type == "cpu" else "device"
+    index = len(fills) - 1
+    while index >= 0 and fills[index].kind != kind:  # the kind's open bucket is its last
+        index -= 1
+    if index < 0 or aligned(fills[index].size) + nbytes > bucket_bytes:
         index = len(fills)
         fills.append(Fill(kind, transport_device(kind, device), index))
-    return index, fills[index].add(data, t, alias=alias)
+    fill = fills[index]
+    here = cpu if kind == "cpu" else data.device == fill.device
+    return index, fill.add(data, t, alias=alias, nbytes=nbytes, here=here)
 
 
 RING = 2  # staging buffers per transport kind when a transfer reuses them (see staging)
@@ -275,7 +299,7 @@ def encode(
     skeleton, entries = dumps(obj)
     if not entries:
         return Encoded(_LEAN + skeleton, [], [])
-    dtypes: dict[str, int] = {}
+    dtypes: dict[torch.dtype, int] = {}
     records: list[list[Any]] = []
     inline: list[bytes] = []
     inline_size = 0
@@ -287,17 +311,19 @@ def encode(
             | (0 if t.is_cpu else DEVICE)
             | (STORAGE if is_storage else 0)
         )
-        if min_tensor_bytes is None or t.nbytes < min_tensor_bytes:
+        nbytes = t.nbytes
+        if min_tensor_bytes is None or nbytes < min_tensor_bytes:
             inline.append(bytes_of(tensor_bytes(t).cpu()))
             bucket, offset = -1, inline_size
-            inline_size += t.nbytes
+            inline_size += nbytes
         else:
             bucket, offset = place(fills, t, device, bucket_bytes)
-        code = dtypes.setdefault(dtype_name(t.dtype), len(dtypes))
-        records.append([code, flags, bucket, offset, list(t.shape)])
+        code = dtypes.setdefault(t.dtype, len(dtypes))
+        records.append([code, flags, bucket, offset, t.shape])  # a tuple: JSON writes a list
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
     late = ring and any(not f.lone(b.nbytes) for f, b in zip(fills[1:], buckets[1:], strict=True))
-    header = {"s": len(skeleton), "d": list(dtypes), "b": [list(b) for b in buckets]}
+    names = [dtype_name(d) for d in dtypes]
+    header = {"s": len(skeleton), "d": names, "b": [list(b) for b in buckets]}
     header.update({"t": records, "z": int(late), "k": split})
     data = _JSON.encode(header).encode()
     body = b"".join([_PREFIX.pack(_MAGIC, len(data), len(buckets)), data, skeleton, *inline])
@@ -326,7 +352,7 @@ class Decoded(NamedTuple):
     skeleton: bytes
     specs: list[TensorSpec]
     storage: list[bool]
-    places: list[tuple[int, int]]
+    places: list[tuple[int, int, int]]  # (bucket, byte offset, elements); bucket -1: inline
     buckets: list[Bucket]
     blob: bytes
     late_status: bool = False
@@ -372,24 +398,19 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
     return header, start
 
 
-def _record(
-    r: object, count: int, dtypes: list[torch.dtype], blob: int, source: str
-) -> tuple[TensorSpec, bool, tuple[int, int], int]:
-    """``(spec, is a storage, (bucket, offset), end)`` of one tensor record, checked."""
-    if type(r) is not list or len(r) != 5:
+_Kind = tuple[TensorSpec, bool, int, int]  # spec, is a storage, elements, bytes
+
+
+def _kind(r: list[Any], dtypes: list[torch.dtype], source: str) -> _Kind:
+    """What a record's dtype code, flags and shape make of a tensor, checked (``r``: the record)."""
+    code, flags, _, _, shape = r
+    if not (0 <= code < len(dtypes) and 0 <= flags < 16):
         raise _corrupt(source, f"tensor record {r!r:.120}")
-    code, flags, bucket, offset, shape = r
-    if not (
-        all(type(v) is int for v in (code, flags, bucket, offset))
-        and type(shape) is list
-        and -1 <= bucket < count
-        and 0 <= offset < _INT64
-        and len(shape) <= _MAX_DIMS
-        and all(type(d) is int and 0 <= d < _INT64 for d in shape)
-        and 0 <= code < len(dtypes)
-        and 0 <= flags < 16
-    ):
-        raise _corrupt(source, f"tensor record {r!r:.120}")
+    numel = 1
+    for d in shape:
+        if not 0 <= d < _INT64:
+            raise _corrupt(source, f"tensor record {r!r:.120}")
+        numel *= d
     dtype = dtypes[code]
     if flags & STORAGE and (dtype != torch.uint8 or flags & (GRAD | PARAM) or len(shape) != 1):
         raise _corrupt(source, f"storage record {r!r:.120}")
@@ -397,14 +418,51 @@ def _record(
         raise _corrupt(source, f"requires_grad on a {dtype} tensor in {r!r:.120}")
     if dtype not in _VIEWABLE:
         raise _corrupt(source, f"a {dtype} tensor travelling as bytes in {r!r:.120}")
-    nbytes = math.prod(shape) * dtype.itemsize
+    nbytes = numel * dtype.itemsize
     if nbytes >= _INT64:
         raise _corrupt(source, f"tensor record {r!r:.120} of {nbytes} bytes")
-    if bucket < 0 and offset + nbytes > blob:
-        raise _corrupt(source, f"inline tensor {r!r:.120} past the end of the body")
     device = "device" if flags & DEVICE else "cpu"
     spec = TensorSpec(dtype, tuple(shape), device, bool(flags & GRAD), bool(flags & PARAM))
-    return spec, bool(flags & STORAGE), (bucket, offset), offset + nbytes
+    return spec, bool(flags & STORAGE), numel, nbytes
+
+
+def _record(
+    r: object,
+    count: int,
+    dtypes: list[torch.dtype],
+    blob: int,
+    source: str,
+    kinds: dict[tuple[int, ...], _Kind],
+) -> tuple[TensorSpec, bool, tuple[int, int, int], int]:
+    """``(spec, is a storage, (bucket, offset, elements), end)`` of one tensor record, checked.
+
+    ``kinds`` holds the checked kinds of the records before (a model repeats a few shapes).
+    """
+    if type(r) is not list or len(r) != 5:
+        raise _corrupt(source, f"tensor record {r!r:.120}")
+    code, flags, bucket, offset, shape = r
+    if not (
+        type(code) is int
+        and type(flags) is int
+        and type(bucket) is int
+        and type(offset) is int
+        and type(shape) is list
+        and -1 <= bucket < count
+        and 0 <= offset < _INT64
+        and len(shape) <= _MAX_DIMS
+    ):
+        raise _corrupt(source, f"tensor record {r!r:.120}")
+    for d in shape:  # ints only, so that equal keys mean equal records (True == 1)
+        if type(d) is not int:
+            raise _corrupt(source, f"tensor record {r!r:.120}")
+    key = (code, flags, *shape)
+    kind = kinds.get(key)
+    if kind is None:
+        kind = kinds[key] = _kind(r, dtypes, source)
+    spec, is_storage, numel, nbytes = kind
+    if bucket < 0 and offset + nbytes > blob:
+        raise _corrupt(source, f"inline tensor {r!r:.120} past the end of the body")
+    return spec, is_storage, (bucket, offset, numel), offset + nbytes
 
 
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
@@ -418,10 +476,11 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         buckets = [Bucket(b[0], b[1]) for b in header["b"]]
         blob = body[start + header["s"] :]
         specs, storage, places, ends = [], [], [], [-1] * count
+        kinds: dict[tuple[int, ...], _Kind] = {}
         for r in header["t"]:
-            spec, is_storage, place, end = _record(r, count, dtypes, len(blob), source)
-            if place[0] >= 0:
-                ends[place[0]] = max(ends[place[0]], end)
+            spec, is_storage, place, end = _record(r, count, dtypes, len(blob), source, kinds)
+            if place[0] >= 0 and end > ends[place[0]]:
+                ends[place[0]] = end
             specs.append(spec)
             storage.append(is_storage)
             places.append(place)
@@ -452,19 +511,24 @@ def _slices(
     """Flat ``dtype`` views of ``bucket`` at increasing ``(byte offset, elements)``, in one call."""
     size = dtype.itemsize
     typed = bucket[: bucket.numel() // size * size].view(dtype)
-    sizes, position = [], 0
+    sizes: list[int] = []  # of the pieces: the tensors, and the gaps between them
+    tensors: list[int] = []  # which pieces are the tensors
+    position = 0
     for offset, numel in places:
         start = offset // size
         if offset % size or start < position:
             msg = f"corrupt bucket layout: a {dtype} tensor at byte offset {offset}"
             raise PdistError(msg)
-        sizes += [start - position, numel]
+        if start > position:
+            sizes.append(start - position)
+        tensors.append(len(sizes))
+        sizes.append(numel)
         position = start + numel
     if position > typed.numel():
         msg = f"corrupt bucket layout: {position} {dtype} elements in a bucket of {typed.numel()}"
         raise PdistError(msg)
     pieces = typed.split_with_sizes([*sizes, typed.numel() - position])
-    return list(pieces[1::2])  # every other piece is the gap before a tensor
+    return [pieces[i] for i in tensors]
 
 
 def tensors_of(
@@ -474,13 +538,15 @@ def tensors_of(
     if not decoded.specs:
         return []
     tensors: list[torch.Tensor | None] = [None] * len(decoded.specs)
-    # Tensors of one dtype in one bucket are sliced together: (bucket, dtype) -> tensor indices.
-    together: dict[tuple[int, torch.dtype], list[int]] = {}
-    for k, (spec, (index, offset)) in enumerate(zip(decoded.specs, decoded.places, strict=True)):
+    # Tensors of one dtype in one bucket are sliced together: (bucket, dtype) -> (offset, index).
+    together: dict[tuple[int, torch.dtype], list[tuple[int, int]]] = {}
+    for k, (spec, (index, offset, numel)) in enumerate(
+        zip(decoded.specs, decoded.places, strict=True)
+    ):
         if index >= 0:
-            together.setdefault((index, spec.dtype), []).append(k)
+            together.setdefault((index, spec.dtype), []).append((offset, k))
             continue
-        end = offset + math.prod(spec.shape) * spec.dtype.itemsize
+        end = offset + numel * spec.dtype.itemsize
         if end > offset:
             raw = torch.frombuffer(bytearray(decoded.blob[offset:end]), dtype=torch.uint8)
         else:  # frombuffer refuses an empty buffer
@@ -488,9 +554,9 @@ def tensors_of(
         t = shaped(spec, raw if spec.dtype == torch.uint8 else raw.view(spec.dtype))
         tensors[k] = t.to(device) if spec.device_type != "cpu" and device.type != "cpu" else t
     for (index, dtype), members in together.items():
-        members.sort(key=lambda k: decoded.places[k][1])
-        places = [(decoded.places[k][1], math.prod(decoded.specs[k].shape)) for k in members]
-        for k, flat in zip(members, _slices(buckets[index], dtype, places), strict=True):
+        members.sort()
+        places = [(offset, decoded.places[k][2]) for offset, k in members]
+        for (_, k), flat in zip(members, _slices(buckets[index], dtype, places), strict=True):
             tensors[k] = shaped(decoded.specs[k], flat)
     return tensors  # type: ignore[return-value]  # every index was filled
 

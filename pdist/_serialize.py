@@ -91,6 +91,11 @@ def _extracted(t: torch.Tensor) -> bool:
     )
 
 
+# Types persistent_id answers None for at once: it runs for every object pickled, including
+# the parts of the ids it returns, and TypedStorage's isinstance check runs in Python.
+_NOT_SET_ASIDE = frozenset({type(None), bool, int, float, str, bytes, list, tuple, dict})
+
+
 class _Pickler(pickle.Pickler):
     # persistent_id runs for every object pickled: it is kept lean.
     def __init__(self, file: io.BytesIO) -> None:
@@ -101,6 +106,8 @@ class _Pickler(pickle.Pickler):
         self._alive: list[object] = []  # keeps every keyed object alive, so its key stays unique
 
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
+        if type(obj) in _NOT_SET_ASIDE:
+            return None
         if isinstance(obj, torch.Tensor):
             if not _extracted(obj):
                 return None

@@ -91,6 +91,30 @@ def test_round_trip_from_every_src(ctx):
             _check(objs)
 
 
+@world_sizes(2, 3)
+def test_buckets_of_one_dtype_round_trip(ctx):
+    """Buckets of one dtype whose tensors end on 64 bytes pack in one copy: values, grads kept."""
+    shapes = [(16, 8), (64,), (4, 4, 4), (0,)]
+    for i, dtype in enumerate(ALL_DTYPES):
+        sent = [_tensor(dtype, shape, 10 * i + j) for j, shape in enumerate(shapes)]
+        objs = [sent] if ctx.rank == 0 else [None]
+        pdist.broadcast_object_list(ctx, objs, min_tensor_bytes=0)
+        assert [t.shape for t in objs[0]] == [t.shape for t in sent]
+        for got, t in zip(objs[0], sent, strict=True):
+            assert got.dtype == dtype
+            assert torch.equal(got, t)
+    weight = torch.nn.Parameter(torch.arange(64.0).reshape(8, 8))
+    grown = torch.arange(32.0, requires_grad=True) * 2  # not a leaf
+    objs = [[weight, grown]] if ctx.rank == 0 else [None]
+    pdist.broadcast_object_list(ctx, objs, min_tensor_bytes=0)
+    got_weight, got_grown = objs[0]
+    assert type(got_weight) is torch.nn.Parameter
+    assert got_weight.requires_grad
+    assert torch.equal(got_weight.detach(), weight.detach())
+    assert got_grown.requires_grad
+    assert torch.equal(got_grown.detach(), grown.detach())
+
+
 class MyList(list):
     """A list subclass: it travels as itself."""
 

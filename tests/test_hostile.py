@@ -145,6 +145,16 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
             OK,
             _json_body({**empty, "d": ["int64"], "t": [[0, 1, -1, 0, [1]]]}, evil, b"\0" * 8),
         ),
+        (
+            # The same shape as the record before, but for its type: a bool is no dimension.
+            "a bool dim after an int one",
+            OK,
+            _json_body(
+                {**empty, "d": ["float32"], "t": [[0, 0, -1, 0, [1]], [0, 0, -1, 4, [True]]]},
+                evil,
+                b"\0" * 8,
+            ),
+        ),
         ("sparse index out of range", OK, _sparse_body()),
         (
             "persistent id out of range",
@@ -267,6 +277,7 @@ EXPECTED = {
     "bucket not announced": "tensor record",
     "inline past the end": "past the end of the body",
     "grad on an int": "requires_grad on a torch.int64",
+    "a bool dim after an int one": "tensor record",
     "sparse index out of range": "sparse tensor is invalid",
     "persistent id out of range": "unexpected persistent id ('storage', 3)",
     "storage of the wrong size": "needs 4000 bytes of a storage of which 3 travelled",
