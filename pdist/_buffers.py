@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -17,9 +18,11 @@ from ._errors import PdistError
 
 __all__ = [
     "ALIGN",
+    "Kept",
     "aligned",
     "allocate",
     "bytes_of",
+    "carved",
     "filled",
     "offsets",
     "resolved",
@@ -30,6 +33,16 @@ __all__ = [
 ALIGN = 64  # byte alignment of the parts of a slab, so that every dtype can view its slice
 _CPU = torch.device("cpu")
 _HUGE_MIN_BYTES = 32 << 20  # glibc's largest mapping threshold
+
+
+class Kept(Protocol):
+    """CPU memory kept between transfers (a block's ``KeptMemory``): taken, then given back."""
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A kept buffer of ``nbytes`` bytes or more (no longer kept), or None."""
+
+    def give(self, slab: torch.Tensor) -> None:
+        """Keep ``slab``, which no transfer uses any more."""
 
 
 def aligned(n: int) -> int:
@@ -46,14 +59,24 @@ def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     return out, total
 
 
-def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") -> torch.Tensor:
+def allocate(
+    nbytes: int,
+    device: torch.device = _CPU,
+    *,
+    what: str = "data",
+    kept: Kept | None = None,
+) -> torch.Tensor:
     """An uninitialized uint8 buffer of ``nbytes`` on ``device``, or a :class:`PdistError`.
 
     Large CPU ones are backed by transparent huge pages: glibc maps large blocks fresh, and
     their first write faults per 4 KiB page (as costly as the transfer, ``pdist bench``).
+    On the CPU, ``kept``'s slab is taken when it fits (then the buffer may be longer).
     """
     try:
         _seams.allocating(nbytes)
+        found = kept.take(nbytes) if kept is not None and device.type == "cpu" else None
+        if found is not None:
+            return found
         if device.type != "cpu" or nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -69,9 +92,16 @@ def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") ->
 
 def slab(sizes: Sequence[int], device: torch.device, *, what: str) -> list[torch.Tensor]:
     """Buffers of ``sizes`` bytes carved from one allocation (their total decides the memory)."""
+    return carved(sizes, device, what=what)[1]
+
+
+def carved(
+    sizes: Sequence[int], device: torch.device, *, what: str, kept: Kept | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One allocation (:func:`allocate`), and the :func:`slab` of ``sizes`` carved from it."""
     starts, total = offsets(sizes)
-    whole = allocate(total, device, what=what)
-    return [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]
+    whole = allocate(total, device, what=what, kept=kept)
+    return whole, [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]
 
 
 def filled(

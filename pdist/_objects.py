@@ -124,6 +124,7 @@ def _broadcast_out(
             min_tensor_bytes=min_tensor_bytes,
             bucket_bytes=DEFAULT_BUCKET_BYTES,
             ring=True,
+            kept=group.lifetime.memory,
         )
     except Exception as exc:
         header(group, None, src, error=exc, what=what)
@@ -145,6 +146,7 @@ def _broadcast_out(
     )
     for work in works:
         work.wait()
+    encoded.release()
     # Without a late status the later buckets are lone tensors sent in place (no packing).
     _agree.settle(group, failure, together=encoded.late_status, what=what)
     return obj
@@ -318,13 +320,14 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
     group.global_rank(src)
     is_src = group.rank_in_group == src
     fills: list[_payload.Fill] = []
-    staged = _payload.Staging([], [])
+    staged = _payload.Staging([], [], [])
     buffers: dict[int, torch.Tensor] = {}
     failure: BaseException | None = None
     try:
         for t in tensors:
             _payload.place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
-        staged = _payload.staging(fills, [f.size for f in fills], receiving=not is_src, ring=True)
+        sizes, kept = [f.size for f in fills], group.lifetime.memory
+        staged = _payload.staging(fills, sizes, receiving=not is_src, ring=True, kept=kept)
         for i, (fill, flat) in enumerate(zip(fills, staged.buffers, strict=True)):
             if staged.after[i] is None:  # the others are packed once their buffer is free
                 buffers[i] = fill.pack(flat) if is_src else fill.receive_buffer(flat)
@@ -355,4 +358,5 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
                 fills[i].unpack(buffers[i])
         except Exception as exc:
             failure = exc
+    _payload.release(staged, group.lifetime.memory)
     _agree.settle(group, failure, together=late, what=what)

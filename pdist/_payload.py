@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from . import _plain, _seams
-from ._buffers import ALIGN, aligned, bytes_of, resolved, slab, tensor_bytes
+from ._buffers import ALIGN, Kept, aligned, bytes_of, carved, resolved, tensor_bytes
 from ._errors import PdistError
 from ._serialize import TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
 
@@ -37,6 +37,7 @@ __all__ = [
     "materialize",
     "place",
     "receive_buffers",
+    "release",
     "staging",
     "tensors_of",
     "transport_device",
@@ -114,24 +115,6 @@ class Fill:
     size: int = 0
     dtype: torch.dtype | None = None
 
-    def add(
-        self, data: torch.Tensor, target: torch.Tensor, *, alias: bool, nbytes: int, here: bool
-    ) -> int:
-        """Reserve room for ``data`` (``nbytes``, on ``device`` if ``here``); returns its offset."""
-        offset = aligned(self.size)
-        if not self.tensors:
-            self.dtype = data.dtype
-        if self.dtype is not None and not (
-            here and nbytes % ALIGN == 0 and data.dtype == self.dtype and data.is_contiguous()
-        ):
-            self.dtype = None
-        self.tensors.append(data)
-        self.targets.append(target)
-        self.aliased.append(alias)
-        self.offsets.append(offset)
-        self.size = offset + nbytes
-        return offset
-
     def lone(self, total: int, *, receiving: bool = False) -> bool:
         """Whether the bucket is one contiguous tensor travelling in place (no staging copy)."""
         return (
@@ -179,17 +162,27 @@ def place(
     """Put ``t`` into the open bucket of its transport: ``(bucket index, byte offset)``."""
     alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
     data = t if alias else resolved(t)
-    cpu, nbytes = data.is_cpu, data.nbytes
+    cpu, nbytes, dtype = data.is_cpu, data.nbytes, data.dtype
     kind = "cpu" if cpu or device.type == "cpu" else "device"
     index = len(fills) - 1
     while index >= 0 and fills[index].kind != kind:  # the kind's open bucket is its last
         index -= 1
-    if index < 0 or aligned(fills[index].size) + nbytes > bucket_bytes:
-        index = len(fills)
-        fills.append(Fill(kind, transport_device(kind, device), index))
+    offset = aligned(fills[index].size) if index >= 0 else 0
+    if index < 0 or offset + nbytes > bucket_bytes:
+        index, offset = len(fills), 0
+        fills.append(Fill(kind, transport_device(kind, device), index, dtype=dtype))
     fill = fills[index]
     here = cpu if kind == "cpu" else data.device == fill.device
-    return index, fill.add(data, t, alias=alias, nbytes=nbytes, here=here)
+    if fill.dtype is not None and not (
+        here and nbytes % ALIGN == 0 and dtype == fill.dtype and data.is_contiguous()
+    ):
+        fill.dtype = None
+    fill.tensors.append(data)
+    fill.targets.append(t)
+    fill.aliased.append(alias)
+    fill.offsets.append(offset)
+    fill.size = offset + nbytes
+    return index, offset
 
 
 RING = 2  # staging buffers per transport kind when a transfer reuses them (see staging)
@@ -199,11 +192,12 @@ class Staging(NamedTuple):
     """Buffers of buckets (None: a lone tensor's own memory).
 
     ``after[i]``: the bucket whose transfer must end before bucket ``i``'s buffer is
-    written, as the two share memory (None: no such bucket).
+    written, as the two share memory (None: no such bucket). ``memory``: the slabs.
     """
 
     buffers: list[torch.Tensor | None]
     after: list[int | None]
+    memory: list[torch.Tensor]
 
 
 def _slabs(
@@ -211,19 +205,21 @@ def _slabs(
     sizes: Sequence[int],
     what: str,
     ring: bool = False,
+    kept: Kept | None = None,
 ) -> Staging:
     """Buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind (None: none).
 
     ``ring``: the slab holds :data:`RING` buffers, taken in turn by the kind's buckets.
     """
-    out = Staging([None] * len(sizes), [None] * len(sizes))
+    out = Staging([None] * len(sizes), [None] * len(sizes), [])
     for kind in KINDS:
         members = [(i, p[1]) for i, p in enumerate(places) if p is not None and p[0] == kind]
         if not members:
             continue
         slots = min(len(members), RING) if ring else len(members)
         tops = [max(sizes[i] for i, _ in members[s::slots]) for s in range(slots)]
-        flats = slab(tops, members[0][1], what=what)
+        whole, flats = carved(tops, members[0][1], what=what, kept=kept)
+        out.memory.append(whole)
         for j, (i, _) in enumerate(members):
             out.buffers[i] = flats[j % slots][: sizes[i]]
             out.after[i] = members[j - slots][0] if j >= slots else None
@@ -231,25 +227,39 @@ def _slabs(
 
 
 def staging(
-    fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False, ring: bool = False
+    fills: Sequence[Fill],
+    sizes: Sequence[int],
+    *,
+    receiving: bool = False,
+    ring: bool = False,
+    kept: Kept | None = None,
 ) -> Staging:
     """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's.
 
     ``ring``: at most :data:`RING` buffers per transport kind, so that a transfer of many
-    buckets stages at most ``RING`` of them at a time (see :class:`Staging`).
+    buckets stages at most ``RING`` of them at a time (see :class:`Staging`). ``kept``: CPU
+    memory to take, and to give the slabs back to with :func:`release`.
     """
     places = [
         None if f.lone(n, receiving=receiving) else (f.kind, f.device)
         for f, n in zip(fills, sizes, strict=True)
     ]
-    return _slabs(places, sizes, "staging", ring)
+    return _slabs(places, sizes, "staging", ring, kept)
+
+
+def release(staged: Staging, kept: Kept | None) -> None:
+    """Give ``staged``'s CPU slabs to ``kept``, once no transfer uses them any more."""
+    for whole in staged.memory:
+        if kept is not None and whole.is_cpu:
+            kept.give(whole)
 
 
 @attrs.define
 class Encoded:
     """A message body and the buckets that follow it (``late_status``: a status follows them).
 
-    ``ring``: the send buffers are a :data:`RING` per transport (see :meth:`after`).
+    ``ring``: the send buffers are a :data:`RING` per transport (see :meth:`after`);
+    ``kept``: where their CPU memory comes from and goes back to (:meth:`release`).
     """
 
     body: bytes
@@ -257,6 +267,7 @@ class Encoded:
     fills: list[Fill]
     late_status: bool = False
     ring: bool = False
+    kept: Kept | None = None
     _staging: Staging | None = None
 
     def lone(self, index: int) -> bool:
@@ -265,8 +276,14 @@ class Encoded:
 
     def _staged(self) -> Staging:
         if self._staging is None:  # allocated on first use
-            self._staging = staging(self.fills, [b.nbytes for b in self.buckets], ring=self.ring)
+            sizes = [b.nbytes for b in self.buckets]
+            self._staging = staging(self.fills, sizes, ring=self.ring, kept=self.kept)
         return self._staging
+
+    def release(self) -> None:
+        """Give the send buffers back to ``kept``, once every send of them has ended."""
+        if self._staging is not None:
+            release(self._staging, self.kept)
 
     def after(self, index: int) -> int | None:
         """The bucket whose send must end before bucket ``index`` is packed (None: none)."""
@@ -290,11 +307,13 @@ def encode(
     pad_to: int = 1,
     split: int = 1,
     ring: bool = False,
+    kept: Kept | None = None,
 ) -> Encoded:
     """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``.
 
     ``ring``: stage the buckets :data:`RING` at a time (see :meth:`Encoded.after`); a later
     bucket is then packed after the header has gone, so a late status follows the buckets.
+    ``kept``: staging memory to take (see :meth:`Encoded.release`).
     """
     skeleton, entries = dumps(obj)
     if not entries:
@@ -327,7 +346,7 @@ def encode(
     header.update({"t": records, "z": int(late), "k": split})
     data = _JSON.encode(header).encode()
     body = b"".join([_PREFIX.pack(_MAGIC, len(data), len(buckets)), data, skeleton, *inline])
-    return Encoded(body, buckets, fills, late_status=late, ring=ring)
+    return Encoded(body, buckets, fills, late_status=late, ring=ring, kept=kept)
 
 
 def _corrupt(source: str, detail: str) -> PdistError:

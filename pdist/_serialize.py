@@ -94,6 +94,9 @@ def _extracted(t: torch.Tensor) -> bool:
 # Types persistent_id answers None for at once: it runs for every object pickled, including
 # the parts of the ids it returns, and TypedStorage's isinstance check runs in Python.
 _NOT_SET_ASIDE = frozenset({type(None), bool, int, float, str, bytes, list, tuple, dict})
+# A tensor's first id: the next tensor entry. One object, so that pickle memoizes it and
+# asks persistent_id about it (and its parts) once; a tensor seen again names its index.
+_NEXT = ("storage",)
 
 
 class _Pickler(pickle.Pickler):
@@ -112,11 +115,12 @@ class _Pickler(pickle.Pickler):
             if not _extracted(obj):
                 return None
             index = self._tensors.get(id(obj))
-            if index is None:
-                index = self._tensors[id(obj)] = len(self.entries)
-                self.entries.append((obj, False))
-                self._alive.append(obj)
-            return ("storage", index)
+            if index is not None:
+                return ("storage", index)
+            self._tensors[id(obj)] = len(self.entries)
+            self.entries.append((obj, False))
+            self._alive.append(obj)
+            return _NEXT
         if isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
             if isinstance(obj, torch.storage.TypedStorage):
                 return ("storage", "s", self._storage(obj._untyped_storage), _NAMES[obj.dtype])
@@ -196,6 +200,7 @@ def _persistent_loader(
 ) -> tuple[Any, dict[int, torch.UntypedStorage]]:
     """The ``persistent_load`` of a received skeleton, and the storages it handed out."""
     untyped: dict[int, torch.UntypedStorage] = {}
+    tensors = iter([i for i, is_storage in enumerate(storage) if not is_storage])
 
     def storage_of(index: int) -> torch.UntypedStorage:
         found = untyped.get(index)
@@ -205,7 +210,11 @@ def _persistent_loader(
         return found
 
     def load(pid: Any) -> Any:
-        if type(pid) is tuple and 2 <= len(pid) <= 4 and pid[0] == "storage":
+        if type(pid) is tuple and len(pid) == 1 and pid[0] == "storage":
+            index = next(tensors, None)
+            if index is not None:
+                return entries[index]
+        elif type(pid) is tuple and 2 <= len(pid) <= 4 and pid[0] == "storage":
             index = pid[1] if len(pid) == 2 else pid[2]
             if type(index) is int and 0 <= index < len(entries):
                 if len(pid) == 2 and not storage[index]:

@@ -189,6 +189,22 @@ def test_the_source_stages_two_buckets_at_most(ctx):
         assert sum(n for n in sizes if n >= 1 << 20) <= 2 * (16 << 20) + 64
 
 
+@world_sizes(2, 3)
+def test_calls_in_a_row_keep_their_own_results(ctx):
+    """The source takes its staging again in the next call; each call's tensors stay its own."""
+
+    def sent(k: int) -> list[torch.Tensor]:  # 40 MiB: three buckets through the ring
+        return [torch.full((1 << 18,), float(100 * k + i)) for i in range(40)]
+
+    got = []
+    for k in range(3):
+        objs = [sent(k)] if ctx.rank == 0 else [None]
+        pdist.broadcast_object_list(ctx, objs)
+        got.append(objs[0])
+    for k, out in enumerate(got):
+        assert all(torch.equal(a, b) for a, b in zip(out, sent(k), strict=True))
+
+
 @world_sizes(2)
 def test_bad_arguments(ctx):
     """object_list must be a list and min_tensor_bytes a non-negative int."""

@@ -219,6 +219,17 @@ def _broadcast_large_source_cannot_allocate(ctx):
         pdist.broadcast_object(ctx, None)
 
 
+def _bol_kept_staging_cannot_allocate(ctx):
+    """The source's staging is kept from a first call; taking it again still can fail."""
+    for attempt in range(2):
+        objs = [[torch.ones(1 << 18) for _ in range(40)]] if ctx.rank == 0 else [None]
+        if attempt == 1 and ctx.rank == 0:
+            with _buckets_cannot_allocate():
+                pdist.broadcast_object_list(ctx, objs)
+        else:
+            pdist.broadcast_object_list(ctx, objs)
+
+
 def _mq_large_receiver_cannot_allocate(ctx):
     """A message larger than a slot goes over the CPU group; a reader cannot allocate it."""
     with pdist.message_queue(ctx.world, chunk_bytes=1 << 16) as group:
@@ -280,6 +291,7 @@ CASES = {
         _broadcast_large_receiver_cannot_allocate, 3, 1
     ),
     "broadcast_large_source_cannot_allocate": _oom(_broadcast_large_source_cannot_allocate, 3, 0),
+    "bol_kept_staging_cannot_allocate": _oom(_bol_kept_staging_cannot_allocate, 3, 0),
     "mq_large_receiver_cannot_allocate": _oom(_mq_large_receiver_cannot_allocate, 3, 1),
     "all_gather_large_cannot_allocate": _oom(_all_gather_large_cannot_allocate, 3, 1),
     "gather_large_destination_cannot_allocate": _oom(

@@ -112,6 +112,7 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
     _BadPid(bad_pid, protocol=2).dump({"x": Evil(marker)})
     empty = {"s": len(evil), "d": [], "b": [], "t": [], "z": 0, "k": 1}
     oob = _skeleton_with_pid(("storage", 3))  # no entries travelled
+    next_oob = _skeleton_with_pid(("storage",))  # the next tensor, of none
     typed = _skeleton_with_pid(("storage", "s", 0, "float32"))
     record = [0, 0, -1, 0, [1]]
     return [
@@ -161,6 +162,7 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
             OK,
             _json_body({**empty, "s": len(oob)}, oob),
         ),
+        ("next tensor of none", OK, _json_body({**empty, "s": len(next_oob)}, next_oob)),
         (
             "storage of the wrong size",
             OK,
@@ -280,6 +282,7 @@ EXPECTED = {
     "a bool dim after an int one": "tensor record",
     "sparse index out of range": "sparse tensor is invalid",
     "persistent id out of range": "unexpected persistent id ('storage', 3)",
+    "next tensor of none": "unexpected persistent id ('storage',)",
     "storage of the wrong size": "needs 4000 bytes of a storage of which 3 travelled",
     "dims past int64": "tensor record",
     "header nested too deeply": "the header nests too deeply",
