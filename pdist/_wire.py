@@ -93,7 +93,6 @@ def _send(
 
 def reserve(make: Callable[[], T], nbytes: int, report: Report) -> T:
     """``make()`` (an allocation); from :data:`STATUS_MIN_BYTES` on, ``report`` tells the peers."""
-    made: T | None = None
     failure: PdistError | None = None
     try:
         made = make()
@@ -103,7 +102,7 @@ def reserve(make: Callable[[], T], nbytes: int, report: Report) -> T:
         report(failure)
     if failure is not None:
         raise failure
-    return made  # type: ignore[return-value]  # set when nothing was raised
+    return made
 
 
 def _receive(group: Group, move: Move, report: Report, what: str) -> bytes:
