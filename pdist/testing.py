@@ -210,18 +210,17 @@ def spawn(
         pool = _pools[world_size] = _Pool(world_size)
     tmp = tempfile.mkdtemp(prefix="pdist-spawn-")
     logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+    world_env = {
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        # The store lives in this process, as torchrun's agent store does.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
     for rank, conn in enumerate(pool.conns):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(store.port),
-            # The store lives in this process, as torchrun's agent store does.
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": "0",
-        }
+        env = world_env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
         conn.send((logs[rank] if capture_output else "", env, list(sys.path), payload))
     try:
         return _collect(pool, logs, seconds)
