@@ -166,7 +166,7 @@ def all_gather_bytes(
     rest = max(lengths) - size
     rests: list[torch.Tensor] = []
     if rest > 0:  # every rank's rest, padded to the longest
-        rests = reserve(
+        mine, *rests = reserve(
             lambda: (
                 [filled(message[size:], rest, what=what)]
                 + [allocate(rest, what=what) for _ in group.ranks]
@@ -174,8 +174,7 @@ def all_gather_bytes(
             rest,
             lambda failure: _agree.status(group, failure, what=what),
         )
-        dist.all_gather(rests[1:], rests[0], group=pg)
-        rests = rests[1:]
+        dist.all_gather(rests, mine, group=pg)
     messages = [
         bytes_of(f, min(n, size)) + (bytes_of(rests[r], n - size) if n > size else b"")
         for r, (f, n) in enumerate(zip(firsts, lengths, strict=True))
