@@ -308,8 +308,8 @@ def _quiet_kineto() -> Iterator[None]:
     with tempfile.TemporaryFile() as sink:
         sys.stderr.flush()
         saved = os.dup(2)
-        os.dup2(sink.fileno(), 2)
         try:
+            os.dup2(sink.fileno(), 2)
             yield
         finally:
             os.dup2(saved, 2)
