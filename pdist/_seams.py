@@ -24,27 +24,24 @@ class Faults:
     outgoing: Callable[[bytes], bytes] | None = None
 
 
-active: contextvars.ContextVar[Faults | None] = contextvars.ContextVar("pdist_faults", default=None)
-"""The faults of the innermost :func:`pdist.testing.inject` block of this thread, if any."""
+_NONE = Faults()  # frozen, so one instance serves every thread
+active: contextvars.ContextVar[Faults] = contextvars.ContextVar("pdist_faults", default=_NONE)
+"""The faults of the innermost :func:`pdist.testing.inject` block of this thread (none outside)."""
 
 
 def allocating(nbytes: int) -> None:
     """The allocation seam: a buffer of ``nbytes`` is about to be allocated."""
-    faults = active.get()
-    if faults is not None and faults.allocate is not None:
-        faults.allocate(nbytes)
+    if (hook := active.get().allocate) is not None:
+        hook(nbytes)
 
 
 def packing(index: int) -> None:
     """The packing seam: bucket ``index`` is about to be packed."""
-    faults = active.get()
-    if faults is not None and faults.pack is not None:
-        faults.pack(index)
+    if (hook := active.get().pack) is not None:
+        hook(index)
 
 
 def outgoing(message: bytes) -> bytes:
     """The wire seam: ``message`` (a framed message) is about to leave this rank."""
-    faults = active.get()
-    if faults is None or faults.outgoing is None:
-        return message
-    return faults.outgoing(message)
+    hook = active.get().outgoing
+    return message if hook is None else hook(message)

@@ -93,7 +93,6 @@ def _send(
 
 def reserve(make: Callable[[], T], nbytes: int, report: Report) -> T:
     """``make()`` (an allocation); from :data:`STATUS_MIN_BYTES` on, ``report`` tells the peers."""
-    made: T | None = None
     failure: PdistError | None = None
     try:
         made = make()
@@ -103,7 +102,7 @@ def reserve(make: Callable[[], T], nbytes: int, report: Report) -> T:
         report(failure)
     if failure is not None:
         raise failure
-    return made  # type: ignore[return-value]  # set when nothing was raised
+    return made
 
 
 def _receive(group: Group, move: Move, report: Report, what: str) -> bytes:
@@ -167,7 +166,7 @@ def all_gather_bytes(
     rest = max(lengths) - size
     rests: list[torch.Tensor] = []
     if rest > 0:  # every rank's rest, padded to the longest
-        rests = reserve(
+        mine, *rests = reserve(
             lambda: (
                 [filled(message[size:], rest, what=what)]
                 + [allocate(rest, what=what) for _ in group.ranks]
@@ -175,8 +174,7 @@ def all_gather_bytes(
             rest,
             lambda failure: _agree.status(group, failure, what=what),
         )
-        dist.all_gather(rests[1:], rests[0], group=pg)
-        rests = rests[1:]
+        dist.all_gather(rests, mine, group=pg)
     messages = [
         bytes_of(f, min(n, size)) + (bytes_of(rests[r], n - size) if n > size else b"")
         for r, (f, n) in enumerate(zip(firsts, lengths, strict=True))

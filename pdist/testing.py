@@ -124,9 +124,6 @@ class _Pool:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
-
     def kill(self) -> None:
         for p in self.procs:
             if p.is_alive():
@@ -187,9 +184,8 @@ def spawn(
         timeout: Seconds (or ``timedelta``) for the whole run.
         capture_output: Echo each rank's output after the run (and in a failure's
             message); False lets ranks write to this process's stdout as they run.
-        fresh: Run on new worker processes (and drop them afterwards), for code
-            that reads a process-wide setting once, such as the size of torch's
-            flight recorder.
+        fresh: Run on new worker processes, dropped afterwards: for code that
+            reads a process-wide setting once (torch's flight recorder size).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
@@ -209,23 +205,22 @@ def spawn(
     payload = pickle.dumps((fn, args))
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     pool = _pools.get(world_size)
-    if fresh or pool is None or not pool.alive():
+    if fresh or pool is None or not all(p.is_alive() for p in pool.procs):
         _discard(world_size)
         pool = _pools[world_size] = _Pool(world_size)
     tmp = tempfile.mkdtemp(prefix="pdist-spawn-")
     logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+    world_env = {
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        # The store lives in this process, as torchrun's agent store does.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
     for rank, conn in enumerate(pool.conns):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(store.port),
-            # The store lives in this process, as torchrun's agent store does.
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": "0",
-        }
+        env = world_env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
         conn.send((logs[rank] if capture_output else "", env, list(sys.path), payload))
     try:
         return _collect(pool, logs, seconds)
@@ -310,22 +305,20 @@ _KINETO_NOISE = re.compile(
 @contextlib.contextmanager
 def _quiet_kineto() -> Iterator[None]:
     """Drop kineto's start/stop log lines written to fd 2 meanwhile; pass anything else on."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with tempfile.TemporaryFile() as sink:
+    with tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
             os.dup2(sink.fileno(), 2)
-            try:
-                yield
-            finally:
-                os.dup2(saved, 2)
-                sink.seek(0)
-                rest = _KINETO_NOISE.sub("", sink.read().decode(errors="replace"))
-                if rest:
-                    sys.stderr.write(rest)
-                    sys.stderr.flush()
-    finally:
-        os.close(saved)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            rest = _KINETO_NOISE.sub("", sink.read().decode(errors="replace"))
+            if rest:
+                sys.stderr.write(rest)
+                sys.stderr.flush()
 
 
 @contextlib.contextmanager
@@ -370,13 +363,11 @@ def inject(
 
     Args:
         allocate: Called with the size in bytes before every buffer pdist sends
-            from or receives into (staging, receive buffers, framed messages);
-            raise to make that allocation fail.
-        pack: Called with the bucket's index before each bucket of tensors is
-            packed for sending; raise to make packing fail.
-        outgoing: Given every framed message this rank is about to send (a
-            header of status and length, then the body), returns what to send
-            instead: a hostile or corrupt peer.
+            from or receives into; raise to make that allocation fail.
+        pack: Called with a bucket's index before it is packed for sending;
+            raise to make packing fail.
+        outgoing: Given every framed message this rank is about to send,
+            returns what to send instead: a hostile or corrupt peer.
 
     Example::
 

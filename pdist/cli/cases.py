@@ -20,7 +20,7 @@ from pdist._wire import FIRST_MESSAGE_BYTES
 
 from .bench import Case, Fns, run_cases
 
-__all__ = ["all_cases", "bench_rank"]
+__all__ = ["CASES", "bench_rank"]
 
 Stack = contextlib.ExitStack
 
@@ -293,26 +293,24 @@ def _message_queue(ctx: DistContext, stack: Stack) -> Fns:
     return _torch_objects(ctx, lambda: pdist.broadcast_object(group, _from_rank0(ctx, obj)[0]), obj)
 
 
-def all_cases() -> list[Case]:
-    """Every case, in the order they run."""
-    return [
-        *_tensor_cases(),
-        Case("structured broadcast (a) 128 MiB + meta", 128 << 20, _structured_a),
-        Case("structured broadcast (b) 1000 x 64 KiB", 1000 * (64 << 10), _structured_b),
-        Case("structured broadcast (c) tiny dict", 32, _structured_c, 50),
-        Case("all_gather_object small dict", 256, _object_gather, 50),
-        Case("all_gather_object 32 MiB + meta", 32 << 20, _object_gather_big),
-        Case("send_object/recv_object 32 MiB + meta", 32 << 20, _object_send_big),
-        Case("collate_batches 32 x [5000, 8]", 32 * 5000 * 8 * 4, _collate),
-        Case("message_queue broadcast_object small dict", 32, _message_queue, 1000),
-    ]
+CASES = [
+    *_tensor_cases(),
+    Case("structured broadcast (a) 128 MiB + meta", 128 << 20, _structured_a),
+    Case("structured broadcast (b) 1000 x 64 KiB", 1000 * (64 << 10), _structured_b),
+    Case("structured broadcast (c) tiny dict", 32, _structured_c, 50),
+    Case("all_gather_object small dict", 256, _object_gather, 50),
+    Case("all_gather_object 32 MiB + meta", 32 << 20, _object_gather_big),
+    Case("send_object/recv_object 32 MiB + meta", 32 << 20, _object_send_big),
+    Case("collate_batches 32 x [5000, 8]", 32 * 5000 * 8 * 4, _collate),
+    Case("message_queue broadcast_object small dict", 32, _message_queue, 1000),
+]
 
 
 def bench_rank(quick: bool, progress: bool) -> dict[str, Any]:
     """Run every case in ``distributed()`` (every rank must); each returns the same report."""
     with pdist.distributed() as ctx:
         show = progress and ctx.rank == 0
-        records = [attrs.asdict(r) for r in run_cases(ctx, all_cases(), quick=quick, progress=show)]
+        records = [attrs.asdict(r) for r in run_cases(ctx, CASES, quick=quick, progress=show)]
         return {
             "torch_version": torch.__version__,
             "backend": ctx.backend,

@@ -3,10 +3,7 @@
 The rank runs ``distributed(tp=8, stall_timeout=0)`` (start-up alone) on torch's fake process
 group, in a fresh interpreter per measurement, next to ``init_device_mesh`` (mode ``mesh``) and
 to pdist on an accelerator-bound world whose device groups are split from it (``pdist-split``).
-Only torch is patched, never pdist: group creation and all-gathers are counted, an all-gather
-returns this rank's record as every rank's (its boot id made up per host of 8 ranks), and the
-store is a ``HashStore``. CPU time is ``time.process_time()``, added RSS the growth of
-``ru_maxrss``.
+Only torch is patched, never pdist, so the figures are pdist's own.
 """
 
 from __future__ import annotations
