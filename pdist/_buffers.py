@@ -22,7 +22,6 @@ __all__ = [
     "aligned",
     "allocate",
     "bytes_of",
-    "carved",
     "filled",
     "offsets",
     "resolved",
@@ -90,15 +89,10 @@ def allocate(
         raise PdistError(msg) from exc
 
 
-def slab(sizes: Sequence[int], device: torch.device, *, what: str) -> list[torch.Tensor]:
-    """Buffers of ``sizes`` bytes carved from one allocation (their total decides the memory)."""
-    return carved(sizes, device, what=what)[1]
-
-
-def carved(
+def slab(
     sizes: Sequence[int], device: torch.device, *, what: str, kept: Kept | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One allocation (:func:`allocate`), and the :func:`slab` of ``sizes`` carved from it."""
+    """One allocation (:func:`allocate`), and buffers of ``sizes`` bytes carved from it."""
     starts, total = offsets(sizes)
     whole = allocate(total, device, what=what, kept=kept)
     return whole, [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]

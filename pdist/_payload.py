@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from . import _plain, _seams
-from ._buffers import ALIGN, Kept, aligned, bytes_of, carved, resolved, tensor_bytes
+from ._buffers import ALIGN, Kept, aligned, bytes_of, resolved, slab, tensor_bytes
 from ._errors import PdistError
 from ._serialize import TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
 
@@ -218,7 +218,7 @@ def _slabs(
             continue
         slots = min(len(members), RING) if ring else len(members)
         tops = [max(sizes[i] for i, _ in members[s::slots]) for s in range(slots)]
-        whole, flats = carved(tops, members[0][1], what=what, kept=kept)
+        whole, flats = slab(tops, members[0][1], what=what, kept=kept)
         out.memory.append(whole)
         for j, (i, _) in enumerate(members):
             out.buffers[i] = flats[j % slots][: sizes[i]]
@@ -249,9 +249,10 @@ def staging(
 
 def release(staged: Staging, kept: Kept | None) -> None:
     """Give ``staged``'s CPU slabs to ``kept``, once no transfer uses them any more."""
-    for whole in staged.memory:
-        if kept is not None and whole.is_cpu:
-            kept.give(whole)
+    if kept is not None:
+        for whole in staged.memory:
+            if whole.is_cpu:
+                kept.give(whole)
 
 
 @attrs.define

@@ -239,7 +239,7 @@ def test_slab_carves_aligned_buffers_from_one_allocation():
     """The buckets of one transfer share one allocation, each starting ALIGN-ed."""
     from pdist._buffers import ALIGN, slab
 
-    parts = slab([100, 0, 4096, 7], torch.device("cpu"), what="a test")
+    _, parts = slab([100, 0, 4096, 7], torch.device("cpu"), what="a test")
     assert [p.numel() for p in parts] == [100, 0, 4096, 7]
     filled = [p for p in parts if p.numel()]  # an empty view has no address
     base = filled[0].untyped_storage().data_ptr()
