@@ -32,16 +32,17 @@ __all__ = [
 ALIGN = 64  # byte alignment of the parts of a slab, so that every dtype can view its slice
 _CPU = torch.device("cpu")
 _HUGE_MIN_BYTES = 32 << 20  # glibc's largest mapping threshold
+_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
 
 
 class Kept(Protocol):
     """CPU memory kept between transfers (a block's ``KeptMemory``): taken, then given back."""
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A kept buffer of ``nbytes`` bytes or more (no longer kept), or None."""
+        """A kept buffer of ``nbytes`` bytes or more that nothing else holds (kept no more)."""
 
     def give(self, slab: torch.Tensor) -> None:
-        """Keep ``slab``, which no transfer uses any more."""
+        """Keep ``slab``, which no transfer writes any more (results may still view it)."""
 
 
 def aligned(n: int) -> int:
@@ -64,23 +65,29 @@ def allocate(
     *,
     what: str = "data",
     kept: Kept | None = None,
+    lend: bool = False,
 ) -> torch.Tensor:
     """An uninitialized uint8 buffer of ``nbytes`` on ``device``, or a :class:`PdistError`.
 
     Large CPU ones are backed by transparent huge pages: glibc maps large blocks fresh, and
     their first write faults per 4 KiB page (as costly as the transfer, ``pdist bench``).
-    On the CPU, ``kept``'s slab is taken when it fits (then the buffer may be longer).
+    On the CPU, ``kept``'s slab is taken when it fits (then the buffer may be longer), and
+    with ``lend`` the buffer is given to ``kept`` at once: it holds results, whose memory a
+    later transfer takes once none of them lives.
     """
     try:
         _seams.allocating(nbytes)
-        found = kept.take(nbytes) if kept is not None and device.type == "cpu" else None
-        if found is not None:
-            return found
-        if device.type != "cpu" or nbytes < _HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the region alive
+        cpu = device.type == "cpu"
+        out = kept.take(nbytes) if kept is not None and cpu and nbytes else None
+        if out is None and (not cpu or nbytes < _HUGE_MIN_BYTES or not _HUGE_PAGES):
+            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        elif out is None:
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            region.madvise(mmap.MADV_HUGEPAGE)
+            out = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps it alive
+        if lend and kept is not None and cpu:
+            kept.give(out)
+        return out
     except Exception as exc:  # RuntimeError (out of memory), OverflowError, OSError (mmap)
         msg = (
             f"could not allocate {nbytes} bytes on {device} for {what} ({type(exc).__name__}: "
@@ -90,11 +97,16 @@ def allocate(
 
 
 def slab(
-    sizes: Sequence[int], device: torch.device, *, what: str, kept: Kept | None = None
+    sizes: Sequence[int],
+    device: torch.device,
+    *,
+    what: str,
+    kept: Kept | None = None,
+    lend: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One allocation (:func:`allocate`), and buffers of ``sizes`` bytes carved from it."""
     starts, total = offsets(sizes)
-    whole = allocate(total, device, what=what, kept=kept)
+    whole = allocate(total, device, what=what, kept=kept, lend=lend)
     return whole, [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]
 
 

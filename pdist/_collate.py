@@ -405,10 +405,11 @@ def _reserve(g: Group, leaves: list[_Leaf], rows: int) -> _Memory:
     for leaf in leaves:  # with room for each leaf's and each gather's alignment gap
         per_row[_transport(leaf)] += leaf.nbytes + _COLUMN
     memory: _Memory = {}
+    kept = g.lifetime.memory
     for kind, row in per_row.items():
         device = torch.device("cpu") if kind == "cpu" else g.device
         per_rank = rows * (row + _MAX_GATHERS * _COLUMN) + _MAX_GATHERS * ALIGN
-        memory[kind] = allocate(g.world_size * per_rank, device, what=_WHAT)
+        memory[kind] = allocate(g.world_size * per_rank, device, what=_WHAT, kept=kept, lend=True)
     return memory
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "sparse_tensors_to_validate",
     "split_group",
     "store_connection",
+    "unshared",
     "unsupported",
     "validate_sparse",
     "work_from_future",
@@ -358,6 +359,22 @@ def store_connection(store: Store) -> Store | None:
     if isinstance(store, PrefixStore):
         return None
     return store
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+_ALONE = _storage_users(torch.empty(1))  # a tensor's own reference, and the storage object's
+
+
+def unshared(t: torch.Tensor) -> bool:
+    """Whether nothing but ``t`` holds its memory: no view, other tensor or array of it lives.
+
+    Counts the references to its storage, which every view, ``Parameter`` and
+    ``numpy()`` array of it takes (torch has no public count).
+    """
+    return _storage_users(t) <= _ALONE
 
 
 def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:

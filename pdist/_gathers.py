@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _agree, _payload, _wire
-from ._buffers import ALIGN, allocate, bytes_of, filled, offsets
+from ._buffers import ALIGN, Kept, allocate, bytes_of, filled, offsets
 from ._compat import all_gather_into
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
@@ -73,15 +73,18 @@ class _Regions:
     ``even``: every region is a row of the largest size, moved by one collective.
     """
 
-    def __init__(self, sizes: list[int], device: torch.device, *, receiving: bool) -> None:
+    def __init__(
+        self, sizes: list[int], device: torch.device, *, receiving: bool, kept: Kept
+    ) -> None:
         self.sizes, self.top = sizes, max(sizes)
         self.even = 2 * sum(sizes) >= len(sizes) * self.top
         if self.even:
             self.starts, total = [r * self.top for r in range(len(sizes))], self.top * len(sizes)
         else:
             self.starts, total = offsets(sizes)
-        self.out = allocate(total if receiving else 0, device, what="the gathered tensors")
-        self.device = device
+        self.device, size = device, total if receiving else 0
+        whole = allocate(size, device, what="the gathered tensors", kept=kept, lend=receiving)
+        self.out = whole[:size]  # a kept slab may be longer
 
     def region(self, r: int) -> torch.Tensor:
         return self.out[self.starts[r] : self.starts[r] + self.sizes[r]]
@@ -131,7 +134,10 @@ def _plan(
     sizes = [_sizes(d) for d in decodeds] if sizes is None else sizes
     regions = {
         kind: _Regions(
-            [s[k] for s in sizes], _payload.transport_device(kind, g.device), receiving=receiving
+            [s[k] for s in sizes],
+            _payload.transport_device(kind, g.device),
+            receiving=receiving,
+            kept=g.lifetime.memory,
         )
         for k, kind in enumerate(KINDS)
         if max(s[k] for s in sizes)

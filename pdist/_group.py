@@ -14,7 +14,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ._compat import before_destroying_groups
+from ._compat import before_destroying_groups, unshared
 from ._errors import PdistError
 from ._inflight import InFlight
 
@@ -51,10 +51,11 @@ class HeaderTransport(Protocol):
 
 
 class KeptMemory:
-    """CPU staging memory a block keeps between transfers: one slab at most, the largest.
+    """CPU memory a block keeps between transfers: one slab at most, the largest.
 
-    A transfer's staging is free once the transfer has ended; the next one that fits takes
-    it instead of faulting fresh pages in (a third of the cost of packing, ``pdist bench``).
+    A source's staging, once its transfer has ended, and the memory of a receiver's
+    results, once none of them lives, are taken by the next transfer that fits instead of
+    faulting fresh pages in (as costly as the copy into them, ``pdist bench``).
     """
 
     def __init__(self) -> None:
@@ -62,18 +63,25 @@ class KeptMemory:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """The kept slab if it holds ``nbytes`` bytes (it is kept no more), else None."""
+        """The kept slab if it holds ``nbytes`` bytes and nothing else holds it, else None.
+
+        A taken slab is kept no more.
+        """
         with self._lock:
             found = self._slab
-            if found is None or found.numel() < nbytes:
+            if found is None or found.numel() < nbytes or not unshared(found):
                 return None
             self._slab = None
             return found
 
     def give(self, slab: torch.Tensor) -> None:
-        """Keep ``slab`` (CPU bytes no transfer uses any more) if it is larger than the kept one."""
+        """Keep ``slab`` (CPU bytes no transfer writes any more; results may still view them).
+
+        It replaces the kept slab unless that one is larger and already free.
+        """
         with self._lock:
-            if self._slab is None or self._slab.numel() < slab.numel():
+            kept = self._slab
+            if kept is None or kept.numel() <= slab.numel() or not unshared(kept):
                 self._slab = slab
 
     def clear(self) -> None:
@@ -107,7 +115,7 @@ class Lifetime:
         self.in_flight = InFlight()
         self.subgroup_timeout: timedelta | None = None
         self.partitions: dict[Blocks, Built] = {}
-        self.memory = KeptMemory()  # staging the block's transfers take in turn
+        self.memory = KeptMemory()  # CPU memory the block's transfers take in turn
         self._pgs: list[ProcessGroup] = []
         self._created: list[ProcessGroup] = []
         self._owns_default = False

@@ -72,7 +72,7 @@ def _broadcast(
     if failure is None:
         try:
             decoded = _payload.decode(body, source=source)
-            buffers = _payload.receive_buffers(decoded, group.device)
+            buffers = _payload.receive_buffers(decoded, group.device, group.lifetime.memory)
         except Exception as exc:
             failure = exc
     _agree.settle(group, failure, together=count > 0, what=what)

@@ -99,7 +99,7 @@ def _decoded(
             "all_gather_groups of the same size on both sides (or None on both)"
         )
         raise ValueError(msg)
-    buffers = receive_buffers(decoded, g.device)
+    buffers = receive_buffers(decoded, g.device, g.lifetime.memory)
     return decoded, buffers, tensors_of(decoded, buffers, g.device)
 
 

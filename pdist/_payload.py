@@ -206,10 +206,12 @@ def _slabs(
     what: str,
     ring: bool = False,
     kept: Kept | None = None,
+    lend: bool = False,
 ) -> Staging:
     """Buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind (None: none).
 
     ``ring``: the slab holds :data:`RING` buffers, taken in turn by the kind's buckets.
+    ``kept``, ``lend``: as for :func:`~pdist._buffers.allocate`.
     """
     out = Staging([None] * len(sizes), [None] * len(sizes), [])
     for kind in KINDS:
@@ -218,7 +220,7 @@ def _slabs(
             continue
         slots = min(len(members), RING) if ring else len(members)
         tops = [max(sizes[i] for i, _ in members[s::slots]) for s in range(slots)]
-        whole, flats = slab(tops, members[0][1], what=what, kept=kept)
+        whole, flats = slab(tops, members[0][1], what=what, kept=kept, lend=lend)
         out.memory.append(whole)
         for j, (i, _) in enumerate(members):
             out.buffers[i] = flats[j % slots][: sizes[i]]
@@ -248,7 +250,7 @@ def staging(
 
 
 def release(staged: Staging, kept: Kept | None) -> None:
-    """Give ``staged``'s CPU slabs to ``kept``, once no transfer uses them any more."""
+    """Give ``staged``'s CPU slabs to ``kept``, for a later transfer to take once free."""
     if kept is not None:
         for whole in staged.memory:
             if whole.is_cpu:
@@ -516,13 +518,20 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
     return Decoded(skeleton, specs, storage, places, buckets, blob, bool(header["z"]), header["k"])
 
 
-def receive_buffers(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
-    """Receive buffers for the buckets of ``decoded`` (one slab per transport)."""
+def receive_buffers(
+    decoded: Decoded, device: torch.device, kept: Kept | None = None
+) -> list[torch.Tensor]:
+    """Receive buffers for the buckets of ``decoded`` (one slab per transport).
+
+    ``kept``: CPU memory to take, and to lend the slabs to: a later transfer takes them
+    again once no tensor received into them lives.
+    """
     if not decoded.buckets:
         return []  # a small object: no torch call at all
     places = [(b.kind, transport_device(b.kind, device)) for b in decoded.buckets]
     sizes = [b.nbytes for b in decoded.buckets]
-    return _slabs(places, sizes, "the received tensors").buffers  # type: ignore[return-value]
+    staged = _slabs(places, sizes, "the received tensors", kept=kept, lend=True)
+    return staged.buffers  # type: ignore[return-value]
 
 
 def _slices(

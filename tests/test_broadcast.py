@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import pdist
 from pdist.testing import count_collectives, inject, world_sizes
@@ -203,6 +204,53 @@ def test_calls_in_a_row_keep_their_own_results(ctx):
         got.append(objs[0])
     for k, out in enumerate(got):
         assert all(torch.equal(a, b) for a, b in zip(out, sent(k), strict=True))
+
+
+def _base(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@world_sizes(2, 3)
+def test_received_memory_is_taken_again_once_its_tensors_are_gone(ctx):
+    """A receiver's next call takes the memory of its last results once none of them lives.
+
+    While one lives (a single view keeps the whole allocation), the next call leaves it alone.
+    (A gloo worker may hold the last transfer's buffers a moment after it ended, so a call
+    may also allocate afresh: the test asks for reuse in some of four calls, not every one.)
+    """
+    me = ctx.rank
+
+    def broadcast(k: int) -> list[torch.Tensor]:  # 2 MiB in one bucket
+        objs = (
+            [[torch.full((1 << 16,), float(10 * k + i)) for i in range(8)]] if me == 0 else [None]
+        )
+        pdist.broadcast_object_list(ctx, objs)
+        return objs[0]
+
+    def gather(k: int) -> list[torch.Tensor]:
+        return [
+            o["w"] for o in pdist.all_gather_object(ctx, {"w": torch.full((1 << 16,), k + 0.5)})
+        ]
+
+    def collate(k: int) -> list[torch.Tensor]:
+        return [pdist.collate_batches(ctx, [{"x": torch.full((64, 1024), float(k))}])["x"]]
+
+    for call, receives in ((broadcast, me != 0), (gather, True), (collate, True)):
+        taken, last = 0, StorageWeakRef(call(0)[-1].untyped_storage())
+        for k in range(1, 5):
+            kept = not last.expired()  # the block keeps it: no new storage can take its address
+            storage = call(k)[-1].untyped_storage()
+            taken += kept and storage._cdata == last.cdata
+            last = StorageWeakRef(storage)
+            del storage
+        assert taken or not receives, call.__name__
+        held = call(1)[-1]
+        expected = held.clone()
+        third = call(2)
+        assert _base(third[-1]) != _base(held), call.__name__
+        assert torch.equal(held, expected), call.__name__
+        assert all(t.eq(t.flatten()[0]).all() for t in third), call.__name__
+        del held, third
 
 
 @world_sizes(2)
