@@ -7,23 +7,22 @@ calls) pdist's own record (:class:`~pdist._inflight.InFlight`); no collective,
 no store traffic while healthy. A group whose completed number has not moved
 for ``stall_timeout`` while a collective is enqueued is a stall.
 
-A round, in store keys under the block's prefix (``.../stall/``): a second
-thread per rank (``pdist-stall-answer``, on a store connection of its own)
-waits on ``wake/<rank>/<round>``; the first rank to see a stall takes
-``claim/<round>`` and sets every ``wake`` key; each rank writes its record
-(JSON, never pickle) to ``answer/<round>/<rank>`` and counts itself in
-``count/<round>``; the requester reads the answers once all counted or after
-the answer wait, writes ``report/<round>`` and each answering rank's verdict
-``told/<rank>/<round>`` (its own last); the lowest answering rank logs the
-report. With ``on_stall="exit"`` a told rank counts itself in ``exiting/<round>``
-and exits once every told rank has (or after the answer wait), so that no rank's
-exit breaks a collective of one that does not yet know. On exit a rank sets its
-own pending key to ``exit``, joins both threads and deletes the keys it knows of.
+A round, in store keys under ``<prefix>/stall/``: a second thread per rank
+(``pdist-stall-answer``, on a store connection of its own) waits on
+``wake/<rank>/<round>``; the first rank to see a stall takes ``claim/<round>``
+and sets every ``wake`` key; each rank writes its record (JSON, never pickle) to
+``answer/<round>/<rank>`` and counts itself in ``count/<round>``; the requester
+reads those in by the answer wait, writes ``report/<round>`` and each answering
+rank's verdict ``told/<rank>/<round>`` (its own last); the lowest answering rank
+logs the report. With ``on_stall="exit"`` the told ranks count themselves in
+``exiting/<round>`` and exit together (or after the answer wait), so that no exit
+breaks a collective of a rank that does not yet know.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -243,17 +242,13 @@ class _Detector:
                 del self._pending[pg_id]
 
 
-def arm_flight_recorder() -> Callable[[], None] | None:
+def arm_flight_recorder() -> Callable[[], object] | None:
     """Size torch's flight recorder before any group exists: the undo, or None if the user did."""
     name = _compat.FEATURES.flight_recorder_env
     if name in os.environ:
         return None
     os.environ[name] = str(_RECORDER_ENTRIES)
-
-    def undo() -> None:
-        os.environ.pop(name, None)
-
-    return undo
+    return functools.partial(os.environ.pop, name, None)
 
 
 class Watch:
@@ -397,10 +392,8 @@ class Watch:
         if conn is None or conn.add(f"claim/{k}", 1) != 1:
             return  # another rank asks this round
         self._mine.update({f"claim/{k}", f"count/{k}", f"report/{k}"})
-        ranks = list(range(self.world_size))
-        for i in range(0, len(ranks), _CHUNK):
-            part = ranks[i : i + _CHUNK]
-            conn.multi_set([f"wake/{r}/{k}" for r in part], [str(k)] * len(part))
+        for part in _parts([f"wake/{r}/{k}" for r in range(self.world_size)]):
+            conn.multi_set(part, [str(k)] * len(part))
         deadline = time.monotonic() + self.answer
         while time.monotonic() < deadline and conn.add(f"count/{k}", 0) < self.world_size:
             if self._stopping.wait(0.1):
@@ -413,10 +406,10 @@ class Watch:
             )
             conn.set(f"report/{k}", text)
         told = json.dumps({**verdict, "told": len(records)})
+        # This rank's own verdict last: it may exit on it.
         answered = sorted((r["rank"] for r in records), key=lambda r: (r == self.rank, r))
-        for i in range(0, len(answered), _CHUNK):
-            part = answered[i : i + _CHUNK]  # this rank's own verdict last: it may exit on it
-            conn.multi_set([f"told/{r}/{k}" for r in part], [told] * len(part))
+        for part in _parts([f"told/{r}/{k}" for r in answered]):
+            conn.multi_set(part, [told] * len(part))
 
     # ------------------------------------------------------------------ answering side
 
@@ -494,8 +487,7 @@ class Watch:
     def _told_ranks_hold_verdicts(self, conn: Store, k: int, told: int) -> None:
         """Wait (at most the answer wait) until every rank told in round ``k`` has its verdict.
 
-        A rank that exits first breaks its peers' collectives: one whose answering
-        thread had not yet read its verdict would end with that error, not the exit code.
+        An earlier exit would break the collective of a rank yet to read its verdict.
         """
         deadline = time.monotonic() + self.answer
         with contextlib.suppress(Exception):  # a store gone with its host: exit now
@@ -512,12 +504,9 @@ def _answers(conn: Store) -> bool:
     return True
 
 
-def _present(conn: Store, keys: list[str]) -> list[str]:
-    found = []
-    for i in range(0, len(keys), _CHUNK):
-        part = keys[i : i + _CHUNK]
-        found += part if conn.check(part) else [key for key in part if conn.check([key])]
-    return found
+def _parts(keys: list[str]) -> Iterator[list[str]]:
+    """``keys`` in slices of ``_CHUNK``, one store round trip each."""
+    return (keys[i : i + _CHUNK] for i in range(0, len(keys), _CHUNK))
 
 
 def _well_formed(rec: dict[str, Any]) -> bool:
@@ -532,11 +521,10 @@ def _well_formed(rec: dict[str, Any]) -> bool:
 
 def _read_answers(conn: Store, k: int, world_size: int) -> list[dict[str, Any]]:
     """The answers of round ``k`` that arrived, as checked plain data (JSON, never pickle)."""
-    keys = _present(conn, [f"answer/{k}/{r}" for r in range(world_size)])
     records = []
-    for i in range(0, len(keys), _CHUNK):
-        part = keys[i : i + _CHUNK]
-        for key, raw in zip(part, conn.multi_get(part), strict=True):
+    for part in _parts([f"answer/{k}/{r}" for r in range(world_size)]):
+        keys = part if conn.check(part) else [key for key in part if conn.check([key])]
+        for key, raw in zip(keys, conn.multi_get(keys) if keys else [], strict=True):
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 rec = _plain.loads(raw)
                 if rec["rank"] == int(key.rsplit("/", 1)[1]) and _well_formed(rec):
