@@ -64,8 +64,8 @@ def grace(seconds: float) -> float:
 def _missing(store: Store, keys: list[str]) -> list[int] | None:
     """The indices of ``keys`` absent from ``store``, read with a bounded wait (None: no answer).
 
-    Reads through a clone of ``store``: the stuck main thread may hold the original's
-    connection. The reading thread may hang on a dead store; the watchdog never waits on it.
+    Reads through a clone of ``store``, whose connection the stuck main thread may hold,
+    in a thread that the watchdog never waits on (a dead store can hang it).
     """
     found: list[int] = []
     done = threading.Event()
@@ -85,8 +85,7 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
 class Deadline:
     """A watchdog that ends the process with exit code 93 unless disarmed in time.
 
-    ``stage`` names what the rank is doing (for the message); the check-ins let
-    every waiting rank name the ranks that never arrived.
+    ``stage`` names what the rank is doing; check-ins name the ranks that never arrived.
     """
 
     def __init__(
@@ -158,8 +157,8 @@ class Deadline:
     def abort_if_expired(self, error: BaseException) -> None:
         """End the process as on expiry when ``error`` came after the deadline passed.
 
-        A peer that gave up at its deadline makes this rank fail a moment before its
-        own watchdog fires; it must still end with exit code 93, not a traceback.
+        A peer that gave up at its deadline makes this rank fail just before its own
+        watchdog fires; it must still end with exit code 93, not a traceback.
         """
         if self.seconds is None or self._done.is_set():
             return
@@ -207,10 +206,10 @@ class Deadline:
 
 
 def end_process(code: int, linger: float = 0.0) -> NoReturn:
-    """Flush the logs, serve ``linger`` seconds more, then end the process with ``code`` now.
+    """Flush the logs, serve ``linger`` seconds more, then ``os._exit(code)``.
 
-    ``os._exit``: no cleanup that could wait on a peer (a collective, a group's
-    destructor) runs; ``linger`` lets the others still read a store this process hosts.
+    No cleanup that could wait on a peer (a collective, a group's destructor) runs;
+    ``linger`` lets the others still read a store this process hosts.
     """
     for handler in logging.getLogger().handlers + logger.handlers:
         handler.flush()
