@@ -257,9 +257,8 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
     Raises:
         PdistError: The probe's sum is wrong (a broken communicator).
     """
-    seconds = _env.deadline_seconds(timeout, "timeout")
     deadline = Deadline(
-        seconds,
+        _env.deadline_seconds(timeout, "timeout"),
         rank=ctx.rank,
         world_size=ctx.world_size,
         what="the world_comm_guard block",
