@@ -271,7 +271,6 @@ class Watch:
         self.stall_timeout, self.on_stall, self.answer = stall_timeout, on_stall, answer
         self._lifetime, self._hosts_store, self._prefix = lifetime, hosts_store, f"{prefix}/stall"
         self._base, self._store = store, PrefixStore(f"{prefix}/stall", store)
-        self._thread_id = threading.get_ident()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._phase: tuple[str, int] = ("wake", 1)  # the key the answering thread waits on
@@ -284,6 +283,13 @@ class Watch:
             (_compat.dump_flight_recorder(collectives=False, stacks=False) or {}).get("pg_status")
         )
         self._detector = _Detector(lifetime.in_flight, self._use_recorder)
+        self._record = functools.partial(
+            local_record,
+            rank=rank,
+            thread_id=threading.get_ident(),  # the block's thread: its stack is the one to show
+            lifetime=lifetime,
+            use_recorder=self._use_recorder,
+        )
 
     def _connection(self) -> Store | None:
         try:
@@ -299,12 +305,9 @@ class Watch:
             self._lifetime.in_flight.track(list(groups))
         self._lifetime.in_flight.active = True
         if not self._use_recorder and _compat.recorder_sees_gloo():
-            logger.warning(
-                "pdist: rank %d: torch's flight recorder records nothing (%s=0?), so the stall "
-                "watch sees only pdist's point-to-point calls",
-                self.rank,
-                _compat.FEATURES.flight_recorder_env,
-            )
+            msg = "pdist: rank %d: torch's flight recorder records nothing (%s=0?), so the stall "
+            msg += "watch sees only pdist's point-to-point calls"
+            logger.warning(msg, self.rank, _compat.FEATURES.flight_recorder_env)
         conn = self._connection()
         if conn is not None:
             self._spawn("pdist-stall-answer", self._listen, conn)
@@ -366,14 +369,6 @@ class Watch:
             self._phase = ("wake", k + 1)
         text = format_report([record], stall_timeout=self.stall_timeout, round_no=k)
         self._act(self._verdict([record], k), k, text)
-
-    def _record(self) -> dict[str, Any]:
-        return local_record(
-            rank=self.rank,
-            thread_id=self._thread_id,
-            lifetime=self._lifetime,
-            use_recorder=self._use_recorder,
-        )
 
     def _verdict(self, records: list[dict[str, Any]], k: int) -> dict[str, Any]:
         digest = picture(records, self.world_size)
@@ -472,12 +467,8 @@ class Watch:
         if verdict["report"] and verdict["holder"] == self.rank:
             logger.error(text)
         elif verdict["report"]:
-            logger.warning(
-                "pdist: rank %d: a collective stalled; rank %d logged the stall report (round %d)",
-                self.rank,
-                verdict["holder"],
-                k,
-            )
+            msg = "pdist: rank %d: a collective stalled; rank %d logged the stall report (round %d)"
+            logger.warning(msg, self.rank, verdict["holder"], k)
         if verdict["stalled"] and self.on_stall == "exit":
             if conn is not None:
                 self._told_ranks_hold_verdicts(conn, k, verdict["told"])
