@@ -219,11 +219,7 @@ def end_process(code: int, linger: float = 0.0) -> NoReturn:
 
 
 def probe_world(ctx: DistContext) -> None:
-    """All-reduce ``rank + 1`` over the world device group and check the sum (in int64).
-
-    Raises:
-        PdistError: The sum is wrong: the communicator is broken.
-    """
+    """All-reduce ``rank + 1`` (int64) over the world device group; PdistError if the sum is off."""
     if ctx.world_size == 1:
         return
     probe = torch.tensor([ctx.rank + 1], dtype=torch.int64, device=ctx.device)

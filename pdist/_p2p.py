@@ -74,10 +74,8 @@ def _send_payload(
     _agree.hear(g, peer, what=what)  # the receiver's status: raises if it failed
 
     def send(i: int, flat: torch.Tensor) -> Any:
-        kind = encoded.buckets[i].kind
-        return dist.isend(
-            _part(flat, split).contiguous(), dst=g.ranks[peer], group=g.transport(kind)
-        )
+        transport = g.transport(encoded.buckets[i].kind)
+        return dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=transport)
 
     works, failure = stream(encoded, send, packed)
     for work in works:
