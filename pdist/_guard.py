@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 import sys
@@ -119,9 +118,9 @@ class Deadline:
             self._linger = grace(self.seconds) + _STORE_READ_SECONDS
 
     def arm(self) -> None:
-        """Start the watchdog (none without a finite deadline)."""
+        """Start the watchdog (none without a deadline)."""
         self._start = time.monotonic()
-        if self.seconds is None or not math.isfinite(self.seconds):
+        if self.seconds is None:
             return
         limit = self.seconds + grace(self.seconds)
         self._thread = threading.Thread(
