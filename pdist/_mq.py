@@ -190,14 +190,12 @@ class _MessageQueue:
         what: str = "broadcast",
     ) -> bytes:
         """``_wire.broadcast_bytes`` through the ring; a failure but a RemoteError poisons it."""
-        if type(src) is not int or src:
-            group.global_rank(src)  # a TypeError or ValueError of its own first
-            if src != 0:
-                msg = (
-                    f"src={src}: a message_queue group broadcasts only from its first rank "
-                    "(src=0); use the original group for other sources"
-                )
-                raise ValueError(msg)
+        if src != 0:  # the caller checked that src is a group index
+            msg = (
+                f"src={src}: a message_queue group broadcasts only from its first rank "
+                "(src=0); use the original group for other sources"
+            )
+            raise ValueError(msg)
         if group.lifetime.closed:
             group.lifetime.check_open()
         with self._lock:
