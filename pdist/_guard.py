@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 import sys
@@ -64,8 +63,8 @@ def grace(seconds: float) -> float:
 def _missing(store: Store, keys: list[str]) -> list[int] | None:
     """The indices of ``keys`` absent from ``store``, read with a bounded wait (None: no answer).
 
-    Reads through a clone of ``store``: the stuck main thread may hold the original's
-    connection. The reading thread may hang on a dead store; the watchdog never waits on it.
+    Reads through a clone of ``store``, whose connection the stuck main thread may hold,
+    in a thread that the watchdog never waits on (a dead store can hang it).
     """
     found: list[int] = []
     done = threading.Event()
@@ -85,8 +84,7 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
 class Deadline:
     """A watchdog that ends the process with exit code 93 unless disarmed in time.
 
-    ``stage`` names what the rank is doing (for the message); the check-ins let
-    every waiting rank name the ranks that never arrived.
+    ``stage`` names what the rank is doing; check-ins name the ranks that never arrived.
     """
 
     def __init__(
@@ -120,9 +118,9 @@ class Deadline:
             self._linger = grace(self.seconds) + _STORE_READ_SECONDS
 
     def arm(self) -> None:
-        """Start the watchdog (none without a finite deadline)."""
+        """Start the watchdog (none without a deadline)."""
         self._start = time.monotonic()
-        if self.seconds is None or not math.isfinite(self.seconds):
+        if self.seconds is None:
             return
         limit = self.seconds + grace(self.seconds)
         self._thread = threading.Thread(
@@ -158,8 +156,8 @@ class Deadline:
     def abort_if_expired(self, error: BaseException) -> None:
         """End the process as on expiry when ``error`` came after the deadline passed.
 
-        A peer that gave up at its deadline makes this rank fail a moment before its
-        own watchdog fires; it must still end with exit code 93, not a traceback.
+        A peer that gave up at its deadline makes this rank fail just before its own
+        watchdog fires; it must still end with exit code 93, not a traceback.
         """
         if self.seconds is None or self._done.is_set():
             return
@@ -207,10 +205,10 @@ class Deadline:
 
 
 def end_process(code: int, linger: float = 0.0) -> NoReturn:
-    """Flush the logs, serve ``linger`` seconds more, then end the process with ``code`` now.
+    """Flush the logs, serve ``linger`` seconds more, then ``os._exit(code)``.
 
-    ``os._exit``: no cleanup that could wait on a peer (a collective, a group's
-    destructor) runs; ``linger`` lets the others still read a store this process hosts.
+    No cleanup that could wait on a peer (a collective, a group's destructor) runs;
+    ``linger`` lets the others still read a store this process hosts.
     """
     for handler in logging.getLogger().handlers + logger.handlers:
         handler.flush()
@@ -220,11 +218,7 @@ def end_process(code: int, linger: float = 0.0) -> NoReturn:
 
 
 def probe_world(ctx: DistContext) -> None:
-    """All-reduce ``rank + 1`` over the world device group and check the sum (in int64).
-
-    Raises:
-        PdistError: The sum is wrong: the communicator is broken.
-    """
+    """All-reduce ``rank + 1`` (int64) over the world device group; PdistError if the sum is off."""
     if ctx.world_size == 1:
         return
     probe = torch.tensor([ctx.rank + 1], dtype=torch.int64, device=ctx.device)
@@ -258,9 +252,8 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
     Raises:
         PdistError: The probe's sum is wrong (a broken communicator).
     """
-    seconds = _env.deadline_seconds(timeout, "timeout")
     deadline = Deadline(
-        seconds,
+        _env.deadline_seconds(timeout, "timeout"),
         rank=ctx.rank,
         world_size=ctx.world_size,
         what="the world_comm_guard block",

@@ -174,12 +174,11 @@ def launch_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> L
     send = _chunks(x, dim, group.world_size)  # [P, *chunk]: chunk r goes to rank r
     recv, out = torch.empty_like(send), x.new_empty(send.shape[1:])
     work = dist.all_to_all_single(recv, send, group=group.device_group, async_op=True)
-    divide = _divider(out, group.world_size, op)
 
     def reduce_chunks() -> None:
         _reduce_dim0(recv, op, out)
-        if divide is not None:
-            divide()
+        if op == "mean":
+            out.div_(group.world_size)
 
     return Launched(out, work, reduce_chunks, (recv,))
 

@@ -190,14 +190,12 @@ class _MessageQueue:
         what: str = "broadcast",
     ) -> bytes:
         """``_wire.broadcast_bytes`` through the ring; a failure but a RemoteError poisons it."""
-        if type(src) is not int or src:
-            group.global_rank(src)  # a TypeError or ValueError of its own first
-            if src != 0:
-                msg = (
-                    f"src={src}: a message_queue group broadcasts only from its first rank "
-                    "(src=0); use the original group for other sources"
-                )
-                raise ValueError(msg)
+        if src != 0:  # the caller checked that src is a group index
+            msg = (
+                f"src={src}: a message_queue group broadcasts only from its first rank "
+                "(src=0); use the original group for other sources"
+            )
+            raise ValueError(msg)
         if group.lifetime.closed:
             group.lifetime.check_open()
         with self._lock:
@@ -555,11 +553,10 @@ def message_queue(
     Raises:
         ValueError: On a one-rank group, when an argument is invalid.
         RankMismatchError: On every rank, when ranks pass different sizes.
-        PdistError: On every rank, naming the rank: a rank passed an invalid
-            argument, the writer could not create or reserve the segment (a
-            full ``/dev/shm``) or a reader could not open it (a ``RemoteError``,
-            of the failing rank's own error type there); the ranks do not share
-            a host; the writer named a segment outside pdist's.
+        PdistError: On every rank (elsewhere a ``RemoteError`` of its type), naming
+            the failing rank: an invalid argument, a segment that could not be created,
+            reserved (a full ``/dev/shm``) or opened, ranks on different hosts, a
+            segment outside pdist's.
     """
     g = as_group(group)
     idle, atomics, error = _check_arguments(chunk_bytes, chunks, idle_timeout)

@@ -74,33 +74,14 @@ def _send_payload(
     _agree.hear(g, peer, what=what)  # the receiver's status: raises if it failed
 
     def send(i: int, flat: torch.Tensor) -> Any:
-        kind = encoded.buckets[i].kind
-        return dist.isend(
-            _part(flat, split).contiguous(), dst=g.ranks[peer], group=g.transport(kind)
-        )
+        transport = g.transport(encoded.buckets[i].kind)
+        return dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=transport)
 
     works, failure = stream(encoded, send, packed)
     for work in works:
         work.wait()
     if encoded.late_status:  # else every bucket was packed before the header
         _agree.tell(g, peer, failure, what=what)
-
-
-def _decoded(
-    g: Group, body: bytes, peer: int, split: Group | None, what: str
-) -> tuple[Decoded, list[torch.Tensor], list[torch.Tensor]]:
-    """The received header decoded, its receive buffers and its tensors (views of them)."""
-    decoded = decode(body, source=f"rank {g.ranks[peer]} (the sender of {what})")
-    parts = 1 if split is None else split.world_size
-    if decoded.split != parts:
-        msg = (
-            f"all_gather_group on rank {g.rank} has {parts} rank(s) but rank "
-            f"{g.ranks[peer]} sent each bucket in {decoded.split} part(s); pass "
-            "all_gather_groups of the same size on both sides (or None on both)"
-        )
-        raise ValueError(msg)
-    buffers = receive_buffers(decoded, g.device, g.lifetime.memory)
-    return decoded, buffers, tensors_of(decoded, buffers, g.device)
 
 
 def _recv_payload(
@@ -117,9 +98,10 @@ def _recv_payload(
     if error is None:
         checked, error = safe_or_error(safe, g.rank)
     stage = split if split is not None and split.world_size > 1 else None
+    source = f"rank {g.ranks[peer]} (the sender of {what})"
     try:
         body = _wire.recv_bytes(g, peer, what=what)
-        count = bucket_count(body, source=f"rank {g.ranks[peer]} (the sender of {what})")
+        count = bucket_count(body, source=source)
     except PdistError as exc:  # the sender failed, or sent no pdist payload
         if stage is not None:  # the other receivers of the stage raise too
             _agree_split(stage, None, error or exc, what)
@@ -129,7 +111,17 @@ def _recv_payload(
     tensors: list[torch.Tensor] = []
     if error is None:
         try:
-            decoded, buffers, tensors = _decoded(g, body, peer, split, what)
+            decoded = decode(body, source=source)
+            parts = 1 if stage is None else stage.world_size
+            if decoded.split != parts:
+                msg = (
+                    f"all_gather_group on rank {g.rank} has {parts} rank(s) but rank "
+                    f"{g.ranks[peer]} sent each bucket in {decoded.split} part(s); pass "
+                    "all_gather_groups of the same size on both sides (or None on both)"
+                )
+                raise ValueError(msg)
+            buffers = receive_buffers(decoded, g.device, g.lifetime.memory)
+            tensors = tensors_of(decoded, buffers, g.device)
         except Exception as exc:
             error = exc
     if stage is not None:
@@ -154,8 +146,7 @@ def _agree_split(
 ) -> BaseException | None:
     """The receivers of one all-gather group agree on success and layout; returns the failure.
 
-    Every receiver takes part, whatever its own header held, so that one
-    receiver's failure reaches the others before they wait in the all-gathers.
+    Every receiver takes part, so that one's failure reaches the others before the all-gathers.
     """
     layout = repr([] if decoded is None else [list(b) for b in decoded.buckets])
     try:

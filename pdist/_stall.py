@@ -7,23 +7,22 @@ calls) pdist's own record (:class:`~pdist._inflight.InFlight`); no collective,
 no store traffic while healthy. A group whose completed number has not moved
 for ``stall_timeout`` while a collective is enqueued is a stall.
 
-A round, in store keys under the block's prefix (``.../stall/``): a second
-thread per rank (``pdist-stall-answer``, on a store connection of its own)
-waits on ``wake/<rank>/<round>``; the first rank to see a stall takes
-``claim/<round>`` and sets every ``wake`` key; each rank writes its record
-(JSON, never pickle) to ``answer/<round>/<rank>`` and counts itself in
-``count/<round>``; the requester reads the answers once all counted or after
-the answer wait, writes ``report/<round>`` and each answering rank's verdict
-``told/<rank>/<round>`` (its own last); the lowest answering rank logs the
-report. With ``on_stall="exit"`` a told rank counts itself in ``exiting/<round>``
-and exits once every told rank has (or after the answer wait), so that no rank's
-exit breaks a collective of one that does not yet know. On exit a rank sets its
-own pending key to ``exit``, joins both threads and deletes the keys it knows of.
+A round, in store keys under ``<prefix>/stall/``: a second thread per rank
+(``pdist-stall-answer``, on a store connection of its own) waits on
+``wake/<rank>/<round>``; the first rank to see a stall takes ``claim/<round>``
+and sets every ``wake`` key; each rank writes its record (JSON, never pickle) to
+``answer/<round>/<rank>`` and counts itself in ``count/<round>``; the requester
+reads those in by the answer wait, writes ``report/<round>`` and each answering
+rank's verdict ``told/<rank>/<round>`` (its own last); the lowest answering rank
+logs the report. With ``on_stall="exit"`` the told ranks count themselves in
+``exiting/<round>`` and exit together (or after the answer wait), so that no exit
+breaks a collective of a rank that does not yet know.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -243,17 +242,13 @@ class _Detector:
                 del self._pending[pg_id]
 
 
-def arm_flight_recorder() -> Callable[[], None] | None:
+def arm_flight_recorder() -> Callable[[], object] | None:
     """Size torch's flight recorder before any group exists: the undo, or None if the user did."""
     name = _compat.FEATURES.flight_recorder_env
     if name in os.environ:
         return None
     os.environ[name] = str(_RECORDER_ENTRIES)
-
-    def undo() -> None:
-        os.environ.pop(name, None)
-
-    return undo
+    return functools.partial(os.environ.pop, name, None)
 
 
 class Watch:
@@ -276,7 +271,6 @@ class Watch:
         self.stall_timeout, self.on_stall, self.answer = stall_timeout, on_stall, answer
         self._lifetime, self._hosts_store, self._prefix = lifetime, hosts_store, f"{prefix}/stall"
         self._base, self._store = store, PrefixStore(f"{prefix}/stall", store)
-        self._thread_id = threading.get_ident()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._phase: tuple[str, int] = ("wake", 1)  # the key the answering thread waits on
@@ -289,6 +283,13 @@ class Watch:
             (_compat.dump_flight_recorder(collectives=False, stacks=False) or {}).get("pg_status")
         )
         self._detector = _Detector(lifetime.in_flight, self._use_recorder)
+        self._record = functools.partial(
+            local_record,
+            rank=rank,
+            thread_id=threading.get_ident(),  # the block's thread: its stack is the one to show
+            lifetime=lifetime,
+            use_recorder=self._use_recorder,
+        )
 
     def _connection(self) -> Store | None:
         try:
@@ -304,12 +305,9 @@ class Watch:
             self._lifetime.in_flight.track(list(groups))
         self._lifetime.in_flight.active = True
         if not self._use_recorder and _compat.recorder_sees_gloo():
-            logger.warning(
-                "pdist: rank %d: torch's flight recorder records nothing (%s=0?), so the stall "
-                "watch sees only pdist's point-to-point calls",
-                self.rank,
-                _compat.FEATURES.flight_recorder_env,
-            )
+            msg = "pdist: rank %d: torch's flight recorder records nothing (%s=0?), so the stall "
+            msg += "watch sees only pdist's point-to-point calls"
+            logger.warning(msg, self.rank, _compat.FEATURES.flight_recorder_env)
         conn = self._connection()
         if conn is not None:
             self._spawn("pdist-stall-answer", self._listen, conn)
@@ -372,14 +370,6 @@ class Watch:
         text = format_report([record], stall_timeout=self.stall_timeout, round_no=k)
         self._act(self._verdict([record], k), k, text)
 
-    def _record(self) -> dict[str, Any]:
-        return local_record(
-            rank=self.rank,
-            thread_id=self._thread_id,
-            lifetime=self._lifetime,
-            use_recorder=self._use_recorder,
-        )
-
     def _verdict(self, records: list[dict[str, Any]], k: int) -> dict[str, Any]:
         digest = picture(records, self.world_size)
         is_stalled = stalled(records, self.stall_timeout)
@@ -397,10 +387,8 @@ class Watch:
         if conn is None or conn.add(f"claim/{k}", 1) != 1:
             return  # another rank asks this round
         self._mine.update({f"claim/{k}", f"count/{k}", f"report/{k}"})
-        ranks = list(range(self.world_size))
-        for i in range(0, len(ranks), _CHUNK):
-            part = ranks[i : i + _CHUNK]
-            conn.multi_set([f"wake/{r}/{k}" for r in part], [str(k)] * len(part))
+        for part in _parts([f"wake/{r}/{k}" for r in range(self.world_size)]):
+            conn.multi_set(part, [str(k)] * len(part))
         deadline = time.monotonic() + self.answer
         while time.monotonic() < deadline and conn.add(f"count/{k}", 0) < self.world_size:
             if self._stopping.wait(0.1):
@@ -413,10 +401,10 @@ class Watch:
             )
             conn.set(f"report/{k}", text)
         told = json.dumps({**verdict, "told": len(records)})
+        # This rank's own verdict last: it may exit on it.
         answered = sorted((r["rank"] for r in records), key=lambda r: (r == self.rank, r))
-        for i in range(0, len(answered), _CHUNK):
-            part = answered[i : i + _CHUNK]  # this rank's own verdict last: it may exit on it
-            conn.multi_set([f"told/{r}/{k}" for r in part], [told] * len(part))
+        for part in _parts([f"told/{r}/{k}" for r in answered]):
+            conn.multi_set(part, [told] * len(part))
 
     # ------------------------------------------------------------------ answering side
 
@@ -479,12 +467,8 @@ class Watch:
         if verdict["report"] and verdict["holder"] == self.rank:
             logger.error(text)
         elif verdict["report"]:
-            logger.warning(
-                "pdist: rank %d: a collective stalled; rank %d logged the stall report (round %d)",
-                self.rank,
-                verdict["holder"],
-                k,
-            )
+            msg = "pdist: rank %d: a collective stalled; rank %d logged the stall report (round %d)"
+            logger.warning(msg, self.rank, verdict["holder"], k)
         if verdict["stalled"] and self.on_stall == "exit":
             if conn is not None:
                 self._told_ranks_hold_verdicts(conn, k, verdict["told"])
@@ -494,8 +478,7 @@ class Watch:
     def _told_ranks_hold_verdicts(self, conn: Store, k: int, told: int) -> None:
         """Wait (at most the answer wait) until every rank told in round ``k`` has its verdict.
 
-        A rank that exits first breaks its peers' collectives: one whose answering
-        thread had not yet read its verdict would end with that error, not the exit code.
+        An earlier exit would break the collective of a rank yet to read its verdict.
         """
         deadline = time.monotonic() + self.answer
         with contextlib.suppress(Exception):  # a store gone with its host: exit now
@@ -512,12 +495,9 @@ def _answers(conn: Store) -> bool:
     return True
 
 
-def _present(conn: Store, keys: list[str]) -> list[str]:
-    found = []
-    for i in range(0, len(keys), _CHUNK):
-        part = keys[i : i + _CHUNK]
-        found += part if conn.check(part) else [key for key in part if conn.check([key])]
-    return found
+def _parts(keys: list[str]) -> Iterator[list[str]]:
+    """``keys`` in slices of ``_CHUNK``, one store round trip each."""
+    return (keys[i : i + _CHUNK] for i in range(0, len(keys), _CHUNK))
 
 
 def _well_formed(rec: dict[str, Any]) -> bool:
@@ -532,11 +512,10 @@ def _well_formed(rec: dict[str, Any]) -> bool:
 
 def _read_answers(conn: Store, k: int, world_size: int) -> list[dict[str, Any]]:
     """The answers of round ``k`` that arrived, as checked plain data (JSON, never pickle)."""
-    keys = _present(conn, [f"answer/{k}/{r}" for r in range(world_size)])
     records = []
-    for i in range(0, len(keys), _CHUNK):
-        part = keys[i : i + _CHUNK]
-        for key, raw in zip(part, conn.multi_get(part), strict=True):
+    for part in _parts([f"answer/{k}/{r}" for r in range(world_size)]):
+        keys = part if conn.check(part) else [key for key in part if conn.check([key])]
+        for key, raw in zip(keys, conn.multi_get(keys) if keys else [], strict=True):
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 rec = _plain.loads(raw)
                 if rec["rank"] == int(key.rsplit("/", 1)[1]) and _well_formed(rec):
