@@ -19,6 +19,7 @@ from ._errors import PdistError
 from ._inflight import InFlight
 
 __all__ = [
+    "KEPT_MAX_BYTES",
     "Built",
     "DistContext",
     "Group",
@@ -33,6 +34,7 @@ logger = logging.getLogger("pdist")
 
 ProcessGroup = dist.ProcessGroup
 Blocks = tuple[tuple[int, ...], ...]
+KEPT_MAX_BYTES = 256 << 20  # the largest slab a block keeps between transfers
 
 
 class HeaderTransport(Protocol):
@@ -51,11 +53,13 @@ class HeaderTransport(Protocol):
 
 
 class KeptMemory:
-    """CPU memory a block keeps between transfers: one slab at most, the largest.
+    """CPU memory a block keeps between transfers: one slab at most, the last given.
 
     A source's staging, once its transfer has ended, and the memory of a receiver's
     results, once none of them lives, are taken by the next transfer that fits instead of
-    faulting fresh pages in (as costly as the copy into them, ``pdist bench``).
+    faulting fresh pages in (as costly as the copy into them, ``pdist bench``). Bounded:
+    a slab over :data:`KEPT_MAX_BYTES` is not kept, and a transfer takes one only when it
+    needs half of it or more, so that a small result never holds a large slab alive.
     """
 
     def __init__(self) -> None:
@@ -63,25 +67,18 @@ class KeptMemory:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """The kept slab if it holds ``nbytes`` bytes and nothing else holds it, else None.
-
-        A taken slab is kept no more.
-        """
+        """The kept slab if it fits ``nbytes`` and nothing else holds it (then kept no more)."""
         with self._lock:
             found = self._slab
-            if found is None or found.numel() < nbytes or not unshared(found):
+            if found is None or not nbytes <= found.numel() <= 2 * nbytes or not unshared(found):
                 return None
             self._slab = None
             return found
 
     def give(self, slab: torch.Tensor) -> None:
-        """Keep ``slab`` (CPU bytes no transfer writes any more; results may still view them).
-
-        It replaces the kept slab unless that one is larger and already free.
-        """
-        with self._lock:
-            kept = self._slab
-            if kept is None or kept.numel() <= slab.numel() or not unshared(kept):
+        """Keep ``slab`` (CPU bytes no transfer writes any more; results may still view them)."""
+        if slab.numel() <= KEPT_MAX_BYTES:
+            with self._lock:
                 self._slab = slab
 
     def clear(self) -> None:

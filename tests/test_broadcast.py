@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 
 import pytest
 import torch
@@ -251,6 +252,27 @@ def test_received_memory_is_taken_again_once_its_tensors_are_gone(ctx):
         assert torch.equal(held, expected), call.__name__
         assert all(t.eq(t.flatten()[0]).all() for t in third), call.__name__
         del held, third
+
+
+@world_sizes(2)
+def test_kept_memory_is_bounded(ctx):
+    """A small result never holds a large kept slab alive; a slab over 256 MiB is not kept."""
+
+    def received(numel: int) -> StorageWeakRef:
+        objs = [torch.ones(numel)] if ctx.rank == 0 else [None]
+        pdist.broadcast_object_list(ctx, objs)
+        storage = objs[0].untyped_storage()
+        assert ctx.rank == 0 or storage.nbytes() < 2 * 4 * numel + 4096
+        return StorageWeakRef(storage)
+
+    large = received(1 << 20)  # 4 MiB, kept by the block once dropped
+    assert ctx.rank == 0 or not large.expired()
+    received(1 << 16)  # 256 KiB: fresh memory, not the 4 MiB slab (the assertion above)
+    huge = received((256 << 20) // 4 + 1024)  # over 256 MiB: freed when dropped
+    deadline = time.monotonic() + 5  # (once a gloo worker lets go of its last transfer)
+    while not huge.expired() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert huge.expired()
 
 
 @world_sizes(2)
