@@ -361,20 +361,23 @@ def store_connection(store: Store) -> Store | None:
     return store
 
 
-def _storage_users(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+def _storage_holders(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()  # the same frame for the calibration and every check
+    return int(torch._C._storage_Use_Count(storage._cdata)), sys.getrefcount(storage)
 
 
-_ALONE = _storage_users(torch.empty(1))  # a tensor's own reference, and the storage object's
+_ALONE = _storage_holders(torch.empty(1))  # a tensor's own references, and this frame's
 
 
 def unshared(t: torch.Tensor) -> bool:
-    """Whether nothing but ``t`` holds its memory: no view, other tensor or array of it lives.
+    """Whether nothing but ``t`` holds its memory: no view, storage, array or tensor of it lives.
 
-    Counts the references to its storage, which every view, ``Parameter`` and
-    ``numpy()`` array of it takes (torch has no public count).
+    Counts the references to its storage: every view, ``Parameter`` and ``numpy()``
+    array takes one, and a held storage object is counted by Python (torch has no
+    public count of either).
     """
-    return _storage_users(t) <= _ALONE
+    users, refs = _storage_holders(t)
+    return users <= _ALONE[0] and refs <= _ALONE[1]
 
 
 def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:

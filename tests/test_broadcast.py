@@ -215,7 +215,8 @@ def _base(t: torch.Tensor) -> int:
 def test_received_memory_is_taken_again_once_its_tensors_are_gone(ctx):
     """A receiver's next call takes the memory of its last results once none of them lives.
 
-    While one lives (a single view keeps the whole allocation), the next call leaves it alone.
+    While one lives (a single view, or its storage object, keeps the whole allocation), the
+    next call leaves it alone.
     (A gloo worker may hold the last transfer's buffers a moment after it ended, so a call
     may also allocate afresh: the test asks for reuse in some of four calls, not every one.)
     """
@@ -252,6 +253,11 @@ def test_received_memory_is_taken_again_once_its_tensors_are_gone(ctx):
         assert torch.equal(held, expected), call.__name__
         assert all(t.eq(t.flatten()[0]).all() for t in third), call.__name__
         del held, third
+        storage = call(3)[-1].untyped_storage()  # a storage object alone keeps it too
+        before = torch.empty(0, dtype=torch.uint8).set_(storage).clone()
+        call(4)
+        assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(storage), before), call.__name__
+        del storage
 
 
 @world_sizes(2)
