@@ -87,6 +87,7 @@ def allocate(
             out = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps it alive
         if lend and kept is not None and cpu:
             kept.give(out)
+            out = out[:nbytes]  # the caller's own view: it holds the slab from now on
         return out
     except Exception as exc:  # RuntimeError (out of memory), OverflowError, OSError (mmap)
         msg = (

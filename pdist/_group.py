@@ -72,6 +72,9 @@ class KeptMemory:
             found = self._slab
             if found is None or not nbytes <= found.numel() <= 2 * nbytes or not unshared(found):
                 return None
+            if found.untyped_storage().nbytes() < found.numel():  # a result's storage resized
+                self._slab = None
+                return None
             self._slab = None
             return found
 
