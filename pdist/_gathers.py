@@ -83,8 +83,7 @@ class _Regions:
         else:
             self.starts, total = offsets(sizes)
         self.device, size = device, total if receiving else 0
-        whole = allocate(size, device, what="the gathered tensors", kept=kept, lend=receiving)
-        self.out = whole[:size]  # a kept slab may be longer
+        self.out = allocate(size, device, what="the gathered tensors", kept=kept, lend=receiving)
 
     def region(self, r: int) -> torch.Tensor:
         return self.out[self.starts[r] : self.starts[r] + self.sizes[r]]
