@@ -2,13 +2,15 @@
 
 ``collate_batches`` reserves the memory of its gathers, then all-gathers every
 rank's sample count and metadata record (JSON), or the marker of what failed: one
-round trip when every rank has batches. At most three all-gathers per transport
-then carry the leaves as raw bytes, straight into dataset order.
+round trip when every rank has batches, during which it packs the first gather
+on the last call's rows. At most three all-gathers per transport then carry the
+leaves as raw bytes, straight into dataset order.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import math
@@ -348,16 +350,25 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     agreed = _agreed(g, local, error)
     if agreed is None:
         return None
-    local, memory, counts = agreed
-    rank, world = g.rank_in_group, g.world_size
-    call = _Call(local.columns, local.leaves, rank, world, max(counts), counts[rank], sum(counts))
-    return _unflatten(local.spec, iter(_gather_leaves(g, call, memory)))
+    local, memory, counts, packed = agreed
+    call = _call(g, local, max(counts), sum(counts))
+    g.lifetime.collate_padding[g.name] = call.rows - call.samples
+    return _unflatten(local.spec, iter(_gather_leaves(g, call, memory, packed)))
+
+
+def _call(g: Group, local: _Local, rows: int, total: int) -> _Call:
+    return _Call(
+        local.columns, local.leaves, g.rank_in_group, g.world_size, rows, local.samples, total
+    )
 
 
 def _agreed(
     g: Group, local: _Local, error: BaseException | None
-) -> tuple[_Local, _Memory, list[int]] | None:
-    """The leaves every rank agreed on, this rank's memory for them, and the counts (or None)."""
+) -> tuple[_Local, _Memory, list[int], bool] | None:
+    """The agreed leaves, this rank's memory, the counts, whether the first gather is packed.
+
+    None when no rank has batches.
+    """
     memory: _Memory = {}
     if local.spec is not None:  # else no batches, or error
         try:
@@ -367,7 +378,21 @@ def _agreed(
     leaves = [[dtype_name(x.dtype), x.shape, x.device_type] for x in local.leaves]
     record = _NONE if local.spec is None else json.dumps([local.spec, leaves]).encode()
     message = _COUNT.pack(local.samples) + record
-    messages = _wire.all_gather_bytes(g, message, error=error, what=_WHAT)
+    early: list[int] = []  # the rows the first gather was packed for, before the counts came
+
+    def pack_first() -> None:
+        # The rows are the largest count; a rank knows only its own, so it guesses the last
+        # call's padding. Best effort: a guess that fails or is wrong packs again below.
+        rows = local.samples + min(g.lifetime.collate_padding.get(g.name, 0), 1)
+        with contextlib.suppress(Exception):
+            guess = _call(g, local, rows, rows * g.world_size)
+            _, run, region = next(_regions(guess, memory))
+            _pack(guess, run, _own(guess, region))
+            early.append(rows)
+
+    ready = error is None and local.samples > 0
+    meanwhile = pack_first if ready else None
+    messages = _wire.all_gather_bytes(g, message, error=error, what=_WHAT, meanwhile=meanwhile)
     records = {r: m[_COUNT.size :] for r, m in zip(g.ranks, messages, strict=True)}
     present = {r: record for r, record in records.items() if record != _NONE}
     if not present:
@@ -385,7 +410,7 @@ def _agreed(
         except Exception as exc:
             error = exc
         _agree.status(g, error, what=_WHAT)
-    return local, memory, counts
+    return local, memory, counts, early == [max(counts)]
 
 
 _Memory = dict[str, torch.Tensor]  # per transport: where its gathers land
@@ -478,10 +503,23 @@ def _pack(call: _Call, run: list[int], mine: torch.Tensor) -> None:
                 torch.cat(call.local[i], out=out.view(samples, *spec.shape))  # one copy
 
 
+def _own(call: _Call, gathered: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gather, in the gather's own memory.
+
+    In place on a device; gloo reads it before anything is copied out there.
+    """
+    return gathered.view(call.world, -1)[call.rank]
+
+
 def _gather(
-    call: _Call, pg: dist.ProcessGroup, cpu: bool, run: list[int], gathered: torch.Tensor
+    call: _Call,
+    pg: dist.ProcessGroup,
+    cpu: bool,
+    run: list[int],
+    gathered: torch.Tensor,
+    packed: bool,
 ) -> Callable[[], list[tuple[int, torch.Tensor]]]:
-    """Pack and start the gather of ``run``; ``finish()`` gives ``(leaf index, leaf)`` pairs.
+    """Pack (unless ``packed``) and start the gather of ``run``: ``finish()`` gives its leaves.
 
     Rank ``j``'s row ``r`` is dataset index ``r * W + j``: in a ``[blocks, rows,
     W, width]`` buffer the rows are in dataset order. gloo writes rank ``j``'s
@@ -489,14 +527,15 @@ def _gather(
     """
     world, rows = call.world, call.rows
     blocks, width, places = _layout(call.specs, run)
-    # This rank's part goes out of the gather's own memory: in place on a device, and gloo
-    # reads it into its staging buffer before anything is copied out there.
-    mine = gathered.view(world, -1)[call.rank]
-    _pack(call, run, mine)
+    mine = _own(call, gathered)
+    if not packed:
+        _pack(call, run, mine)
     grid = gathered.view(blocks, rows, world, width)
-    if cpu:
-        outs, source = [grid[:, :, j] for j in range(world)], mine.view(blocks, rows, width)
-        work = dist.all_gather(outs, source, group=pg, async_op=True)
+    if cpu:  # as the widest words a row holds: gloo's copy into the strided views is faster
+        dtype = next(d for d in (torch.int64, torch.int32, torch.uint8) if width % d.itemsize == 0)
+        words = gathered.view(dtype).view(blocks, rows, world, width // dtype.itemsize)
+        outs, source = [words[:, :, j] for j in range(world)], mine.view(dtype)
+        work = dist.all_gather(outs, source.view(words[:, :, 0].shape), group=pg, async_op=True)
     else:
         work = all_gather_into(gathered, mine, pg, async_op=True)
 
@@ -516,26 +555,36 @@ def _gather(
     return finish
 
 
-def _gather_leaves(g: Group, call: _Call, memory: _Memory) -> list[torch.Tensor]:
-    """Every leaf gathered in dataset order, in ``memory`` reserved by :func:`_reserve`."""
-    gathered: dict[int, torch.Tensor] = {}
+def _regions(call: _Call, memory: _Memory) -> Iterator[tuple[str, list[int], torch.Tensor]]:
+    """Each gather's transport, leaves and place in ``memory`` (leaves with bytes to move)."""
     by_transport: dict[str, list[int]] = collections.defaultdict(list)
     for i, spec in enumerate(call.specs):
-        if call.total == 0 or spec.nbytes == 0:  # nothing to move, e.g. a [N, 0] leaf
-            device = torch.device("cpu") if _transport(spec) == "cpu" else g.device
-            gathered[i] = torch.empty((call.total, *spec.shape), dtype=spec.dtype, device=device)
-        else:
+        if call.rows and spec.nbytes:
             by_transport[_transport(spec)].append(i)
-    finishes = []
     for kind, leaves in by_transport.items():
         used = 0
         for run in _plan(call.specs, leaves, call.rows * call.world):
             blocks, width, _ = _layout(call.specs, run)
             size = blocks * call.rows * call.world * width
             start, used = used, aligned(used + size)
-            region = memory[kind][start : start + size]
-            # Each gather starts once packed, so that packing the next overlaps its transfer.
-            finishes.append(_gather(call, g.transport(kind), kind == "cpu", run, region))
+            yield kind, run, memory[kind][start : start + size]
+
+
+def _gather_leaves(g: Group, call: _Call, memory: _Memory, packed: bool) -> list[torch.Tensor]:
+    """Every leaf gathered in dataset order, in ``memory`` reserved by :func:`_reserve`.
+
+    ``packed``: the first gather's part is in place already.
+    """
+    gathered: dict[int, torch.Tensor] = {}
+    for i, spec in enumerate(call.specs):
+        if not (call.rows and spec.nbytes):  # nothing to move, e.g. a [N, 0] leaf
+            device = torch.device("cpu") if _transport(spec) == "cpu" else g.device
+            gathered[i] = torch.empty((call.total, *spec.shape), dtype=spec.dtype, device=device)
+    finishes = []
+    for n, (kind, run, region) in enumerate(_regions(call, memory)):
+        # Each gather starts once packed, so that packing the next overlaps its transfer.
+        cpu = kind == "cpu"
+        finishes.append(_gather(call, g.transport(kind), cpu, run, region, packed and n == 0))
     for finish in finishes:
         gathered.update(finish())
     return [gathered[i] for i in range(len(call.specs))]

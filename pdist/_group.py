@@ -116,6 +116,9 @@ class Lifetime:
         self.subgroup_timeout: timedelta | None = None
         self.partitions: dict[Blocks, Built] = {}
         self.memory = KeptMemory()  # CPU memory the block's transfers take in turn
+        # Per group name: the rows the last collate_batches had above this rank's samples
+        # (where the next one packs while the counts travel; a wrong guess packs again).
+        self.collate_padding: dict[str, int] = {}
         self._pgs: list[ProcessGroup] = []
         self._created: list[ProcessGroup] = []
         self._owns_default = False

@@ -233,6 +233,23 @@ def test_large_outputs_gather_rows_in_dataset_order(ctx):
     _check_indexed(out, size, mixed)
 
 
+@world_sizes(2, 3)
+def test_calls_in_a_row_whose_counts_change(ctx):
+    """Calls whose counts differ from the last call's come back right, results kept or not.
+
+    The first gather is packed while the counts travel, on the last call's rows.
+    """
+    leaves = {f"leaf{k}": (64, torch.float32) for k in range(6)} | {"index": (1, torch.int64)}
+    kept = []
+    for n, size in enumerate((3001, 3000, 3002, 3002, 2999, 7, 3001, 3003)):
+        out = pdist.collate_batches(ctx, _indexed(ctx, size, leaves))
+        _check_indexed(out, size, leaves)
+        if n % 2:
+            kept.append((size, out))
+    for size, out in kept:
+        _check_indexed(out, size, leaves)
+
+
 @world_sizes(3)
 def test_zero_width_leaves(ctx):
     """A leaf with no bytes per sample ([N, 0]) comes back with the right shape."""
