@@ -512,14 +512,9 @@ def _own(call: _Call, gathered: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(
-    call: _Call,
-    pg: dist.ProcessGroup,
-    cpu: bool,
-    run: list[int],
-    gathered: torch.Tensor,
-    packed: bool,
+    call: _Call, pg: dist.ProcessGroup, cpu: bool, run: list[int], gathered: torch.Tensor
 ) -> Callable[[], list[tuple[int, torch.Tensor]]]:
-    """Pack (unless ``packed``) and start the gather of ``run``: ``finish()`` gives its leaves.
+    """Start the gather of ``run``, packed; ``finish()`` gives ``(leaf index, leaf)`` pairs.
 
     Rank ``j``'s row ``r`` is dataset index ``r * W + j``: in a ``[blocks, rows,
     W, width]`` buffer the rows are in dataset order. gloo writes rank ``j``'s
@@ -528,8 +523,6 @@ def _gather(
     world, rows = call.world, call.rows
     blocks, width, places = _layout(call.specs, run)
     mine = _own(call, gathered)
-    if not packed:
-        _pack(call, run, mine)
     grid = gathered.view(blocks, rows, world, width)
     if cpu:  # as the widest words a row holds: gloo's copy into the strided views is faster
         dtype = next(d for d in (torch.int64, torch.int32, torch.uint8) if width % d.itemsize == 0)
@@ -582,9 +575,9 @@ def _gather_leaves(g: Group, call: _Call, memory: _Memory, packed: bool) -> list
             gathered[i] = torch.empty((call.total, *spec.shape), dtype=spec.dtype, device=device)
     finishes = []
     for n, (kind, run, region) in enumerate(_regions(call, memory)):
-        # Each gather starts once packed, so that packing the next overlaps its transfer.
-        cpu = kind == "cpu"
-        finishes.append(_gather(call, g.transport(kind), cpu, run, region, packed and n == 0))
+        if not (packed and n == 0):  # each gather starts once packed: packing the next overlaps it
+            _pack(call, run, _own(call, region))
+        finishes.append(_gather(call, g.transport(kind), kind == "cpu", run, region))
     for finish in finishes:
         gathered.update(finish())
     return [gathered[i] for i in range(len(call.specs))]
