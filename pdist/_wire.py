@@ -175,8 +175,10 @@ def all_gather_bytes(
         dist.all_gather(firsts, first, group=pg)
     else:
         work = dist.all_gather(firsts, first, group=pg, async_op=True)
-        meanwhile()
-        work.wait()
+        try:
+            meanwhile()
+        finally:  # the gather never stays in flight unwaited
+            work.wait()
     lengths = [HEADER.size + HEADER.unpack(bytes_of(f, HEADER.size))[1] for f in firsts]
     rest = max(lengths) - size
     rests: list[torch.Tensor] = []
