@@ -48,6 +48,7 @@ from ._ranks import rank0_only as rank0_only
 from ._sequence import ulysses_attention as ulysses_attention
 from ._stall import STALL_EXIT_CODE as STALL_EXIT_CODE
 from ._subgroups import device_mesh as device_mesh
+from ._subgroups import flatten as flatten
 from ._subgroups import new_group as new_group
 from ._subgroups import new_sp_group as new_sp_group
 from ._subgroups import new_tp_group as new_tp_group
@@ -87,6 +88,7 @@ __all__ = [
     "collate_batches",
     "device_mesh",
     "distributed",
+    "flatten",
     "gather",
     "gather_object",
     "gpu_cpu_affinity",

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from . import _compat, _env, _stall, _subgroups, _topology
 from ._compat import HashStore, PrefixStore, Store, TCPStore
 from ._errors import PdistError
-from ._group import DistContext, Lifetime
+from ._group import CONTEXT_GROUPS, DistContext, Lifetime
 from ._guard import Deadline, probe_world
 
 __all__ = ["distributed", "probe_accelerator"]
@@ -131,7 +132,8 @@ class _Distributed:
             prefix=prefix,
             hosts_store=self._hosts_store,
         )
-        self._watch.start([ctx.world, ctx.node, ctx.tp, ctx.sp, ctx.dp, ctx.dp_sp])
+        names = ("world", "node", *ctx.layout.group_names)
+        self._watch.start([ctx.group(name) for name in names])
 
     def _bind_device(self) -> None:
         device = self._settings.device
@@ -230,8 +232,9 @@ class _Distributed:
             lifetime=lifetime,
             timeout=settings.timeout,
         )
-        deadline.stage = "building the tp, sp, dp and dp_sp groups"
-        axes = _subgroups.build_axes(world, settings.layout, timeout=settings.subgroup_timeout)
+        layout = settings.layout
+        deadline.stage = f"building the groups {', '.join(layout.group_names)}"
+        axes = _subgroups.build_axes(world, layout, timeout=settings.subgroup_timeout)
         deadline.stage = "detecting which ranks share a host"
         nodes = _topology.node_partition(world)
         deadline.stage = "building the node groups"
@@ -243,12 +246,11 @@ class _Distributed:
             local_rank=launch.local_rank,
             device=settings.device,
             backend=settings.backend,
+            layout=layout,
             world=world,
             node=node,
-            tp=axes["tp"],
-            sp=axes["sp"],
-            dp=axes["dp"],
-            dp_sp=axes["dp_sp"],
+            **{name: axes[name] for name in CONTEXT_GROUPS[2:]},
+            named_axes=tuple((n, axes[n]) for n in layout.names if n not in CONTEXT_GROUPS),
         )
         if world.device_group is not world.cpu_group:
             # Host detection ran on the gloo groups: the accelerator's world communicator
@@ -290,6 +292,10 @@ def distributed(
     *,
     tp: int = 1,
     sp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    axes: Mapping[str, int] | None = None,
     backend: str | None = None,
     device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
@@ -318,8 +324,19 @@ def distributed(
     .. note:: Every rank of the job must enter it.
 
     Args:
-        tp: Tensor-parallel size (adjacent ranks).
-        sp: Sequence-parallel size.
+        tp: Tensor-parallel size (adjacent ranks: the fastest axis).
+        sp: Sequence-parallel (Ulysses) size.
+        cp: Context-parallel (ring attention) size; an axis of the layout when > 1.
+        pp: Pipeline-parallel size (the slowest axis); an axis of the layout when > 1.
+            The keyword form's axes are ``pp, dp, cp, sp, tp``, slowest first, with
+            ``dp`` the rest of the world.
+        ep: Expert-parallel size: ``ctx.ep`` holds blocks of ``ep`` consecutive ranks of a
+            pipeline stage and ``ctx.edp`` the ranks at one place in them; it must divide
+            ``world_size // pp``. Works with ``axes=`` too.
+        axes: User-named axes instead of the keywords, slowest first, e.g.
+            ``{"dp": -1, "cfg": 2, "sp": 2}`` (one size may be -1: the rest of the
+            world). ``ctx.axes`` then maps each name to its group; the canonical names
+            (``pp``, ``dp``, ``cp``, ``sp``, ``tp``) also fill those fields.
         backend: ``"nccl"``, ``"gloo"``, ``"xccl"``, ...; default ``PDIST_BACKEND``,
             else the device's default.
         device: The rank's device; default the accelerator at ``local_rank`` (through
@@ -346,15 +363,22 @@ def distributed(
         A single-use context manager yielding the :class:`DistContext`.
 
     Raises:
-        ValueError: Bad sizes, backend, device, durations or ``on_stall``.
-        RankMismatchError: On entry, when ranks passed different ``tp`` or ``sp`` (on every
-            rank).
+        TypeError: A size that is no int (or a bool), ``axes`` that is no mapping.
+        ValueError: Bad sizes (not dividing the world, 0, two -1 in ``axes``), ``axes=``
+            beside a tp/sp/cp/pp keyword, an ``axes`` name that is a derived group's
+            (``world``, ``node``, ``dp_sp``, ``ep``, ``edp``), a bad backend, device,
+            duration or ``on_stall``; all before any communicator exists.
+        RankMismatchError: On entry, when ranks passed different layouts (on every rank).
         PdistError: Entered twice, or the hosts hold different numbers of ranks (on every
             rank).
     """
     settings = _env.resolve_settings(
         tp=tp,
         sp=sp,
+        cp=cp,
+        pp=pp,
+        ep=ep,
+        axes=axes,
         backend=backend,
         device=device,
         timeout=timeout,

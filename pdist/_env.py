@@ -19,7 +19,7 @@ from typing import Any, Literal, overload
 import attrs
 import torch
 
-from ._layout import Layout, make_layout
+from ._layout import Layout, make_axes_layout, make_layout
 
 __all__ = [
     "DEFAULT_BACKENDS",
@@ -38,6 +38,7 @@ __all__ = [
     "detect_launch",
     "env_backend",
     "env_seconds",
+    "resolve_layout",
     "resolve_settings",
     "stall_settings",
     "to_seconds",
@@ -443,10 +444,49 @@ def _l2_fetch_granularity(value: object) -> int | None:
     return value
 
 
+def resolve_layout(
+    world_size: int,
+    *,
+    tp: int = 1,
+    sp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    axes: Mapping[str, int] | None = None,
+) -> Layout:
+    """The layout of ``distributed()``'s size arguments (pure: the same error on every rank).
+
+    Raises:
+        TypeError: A size that is no int, or ``axes`` that is no mapping of str to int.
+        ValueError: ``axes=`` beside a ``tp``/``sp``/``cp``/``pp`` keyword, or sizes that
+            do not fit the world (see :func:`~pdist._layout.make_layout`).
+    """
+    if axes is None:
+        return make_layout(world_size, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep)
+    given = {
+        n: v
+        for n, v in (("tp", tp), ("sp", sp), ("cp", cp), ("pp", pp))
+        if isinstance(v, bool) or v != 1
+    }
+    if given:
+        shown = ", ".join(f"{n}={v!r}" for n, v in given.items())
+        msg = (
+            f"axes= excludes the tp/sp/cp/pp keywords, but {shown} was given as well; "
+            f"name every axis inside axes, e.g. axes={{'dp': -1, {next(iter(given))!r}: "
+            f"{next(iter(given.values()))!r}}}"
+        )
+        raise ValueError(msg)
+    return make_axes_layout(world_size, axes, ep=ep)
+
+
 def resolve_settings(
     *,
     tp: int = 1,
     sp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    axes: Mapping[str, int] | None = None,
     backend: str | None = None,
     device: str | torch.device | int | None = None,
     timeout: float | timedelta | None = None,
@@ -471,7 +511,7 @@ def resolve_settings(
     env = os.environ if environ is None else environ
     overrides = {"rank": rank, "world_size": world_size, "local_rank": local_rank}
     launch = _launch(env, overrides, adopted, store_given)
-    layout = make_layout(launch.world_size, tp=tp, sp=sp)
+    layout = resolve_layout(launch.world_size, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, axes=axes)
     requested = backend if backend is not None else env_backend(env)
     source = "backend" if backend is not None else "PDIST_BACKEND"
     resolved_device = _resolve_device(device, requested, launch.local_rank, accelerator)

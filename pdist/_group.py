@@ -17,8 +17,10 @@ import torch.distributed as dist
 from ._compat import before_destroying_groups, unshared
 from ._errors import PdistError
 from ._inflight import InFlight
+from ._layout import Layout
 
 __all__ = [
+    "CONTEXT_GROUPS",
     "KEPT_MAX_BYTES",
     "Built",
     "DistContext",
@@ -302,9 +304,16 @@ class Group:
         return index
 
 
+# The groups every context holds as fields; a user-named axis lives in ``named_axes``.
+CONTEXT_GROUPS = ("world", "node", "pp", "dp", "cp", "sp", "tp", "dp_sp", "ep", "edp")
+
+
 @attrs.frozen(kw_only=True)
 class DistContext:
     """Everything a rank needs, frozen; derive variants with ``attrs.evolve``.
+
+    Every axis of the layout has a group (:attr:`axes`); ``pp``, ``dp``, ``cp``, ``sp``
+    and ``tp`` are also fields, a one-rank group where the layout lacks that axis.
 
     Attributes:
         rank: Global rank.
@@ -312,13 +321,20 @@ class DistContext:
         local_rank: Index of this process on its host (from the launcher).
         device: The device this rank is bound to.
         backend: Backend of the device groups (``"gloo"``, ``"nccl"``, ...).
+        layout: The axes of the job, slowest first (pure rank arithmetic).
         world: All ranks.
         node: The ranks on this host (found through shared memory).
-        tp: Tensor-parallel group (adjacent ranks).
-        sp: Sequence-parallel group.
+        pp: Pipeline-parallel group (the ranks of one pipeline "column", one per stage).
         dp: Data-parallel group.
-        dp_sp: The ranks sharing this rank's tp index, over which gradients are
-            averaged (``dp`` when ``sp == 1``).
+        cp: Context-parallel (ring attention) group.
+        sp: Sequence-parallel (Ulysses) group.
+        tp: Tensor-parallel group (adjacent ranks).
+        dp_sp: The ranks sharing every coordinate except ``dp``, ``cp`` and ``sp``, over
+            which data-parallel gradients are averaged (``dp`` when ``cp == sp == 1``).
+        ep: Expert-parallel group: a block of ``ep`` consecutive ranks of a pipeline stage.
+        edp: The ranks of this stage at this rank's position in their ``ep`` block, over
+            which expert gradients are averaged.
+        named_axes: ``(name, group)`` of each user-named axis that is not a field.
     """
 
     rank: int
@@ -326,12 +342,39 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str
+    layout: Layout
     world: Group
     node: Group
-    tp: Group
-    sp: Group
+    pp: Group
     dp: Group
+    cp: Group
+    sp: Group
+    tp: Group
     dp_sp: Group
+    ep: Group
+    edp: Group
+    named_axes: tuple[tuple[str, Group], ...] = ()
+
+    @property
+    def axes(self) -> dict[str, Group]:
+        """Every axis of the layout -> its Group, slowest first (a patched tp shows here too)."""
+        return {name: self.group(name) for name in self.layout.names}
+
+    def group(self, name: str) -> Group:
+        """The group called ``name``: an axis, ``world``, ``node``, ``dp_sp``, ``ep`` or ``edp``.
+
+        Raises:
+            ValueError: The context has no group of that name.
+        """
+        if name in CONTEXT_GROUPS:
+            found: Group = getattr(self, name)
+            return found
+        for axis, group in self.named_axes:
+            if axis == name:
+                return group
+        known = (*CONTEXT_GROUPS, *(axis for axis, _ in self.named_axes))
+        msg = f"name={name!r} is no group of this context; choose one of {known}"
+        raise ValueError(msg)
 
 
 def as_group(group: Group | DistContext, *, name: str = "group") -> Group:

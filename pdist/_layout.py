@@ -1,19 +1,40 @@
-"""Pure rank arithmetic for the ``dp, sp, tp`` layout (no torch.distributed calls).
+"""Pure rank arithmetic for any parallel layout (no torch.distributed calls).
 
-Axes go from slowest- to fastest-varying, so tensor-parallel ranks are adjacent:
-``rank == (d * sp + s) * tp + t``, and ``dp_sp`` holds the ranks sharing a tp
-index. Every group of an axis is an arithmetic progression of ranks, so a
-partition is built from ``range`` objects in O(W) time and memory.
+A layout is an ordered list of axes, slowest- to fastest-varying, whose sizes multiply
+to the world size: ``rank = sum(coord[a] * stride[a])`` with the last axis's stride 1.
+The keyword form uses the canonical order ``pp, dp, cp, sp, tp`` (tp fastest: its
+ranks are adjacent, so they share the fastest links); ``axes={...}`` names any axes in
+any order. This table of axes is the only place an axis is declared: the groups built
+at start-up, ``DistContext.axes``, ``device_mesh`` and the stall watch all read it.
+
+Every group is "the ranks sharing every coordinate but those of some axes" (a
+*flattening*: one axis, ``dp_sp``, :func:`pdist.flatten`), or an expert group (``ep``,
+``edp``: blocks of consecutive ranks within a pipeline stage). A partition into such
+groups is built from two sorted offset lists in O(W) time and memory, never W x W.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
 import attrs
 
-__all__ = ["AXES", "GROUP_AXES", "Layout", "consecutive_groups", "make_layout"]
+__all__ = [
+    "CANONICAL",
+    "DERIVED",
+    "EXPERT",
+    "Layout",
+    "consecutive_groups",
+    "make_axes_layout",
+    "make_layout",
+]
 
-AXES = ("dp", "sp", "tp")  # the mesh axes, slowest- to fastest-varying
-GROUP_AXES = (*AXES, "dp_sp")  # every axis a context holds a group for
+CANONICAL = ("pp", "dp", "cp", "sp", "tp")  # the keyword form's axes, slowest first
+ALWAYS = ("dp", "sp", "tp")  # present in every keyword layout (size 1 allowed)
+GRADIENT = ("dp", "cp", "sp")  # the axes dp_sp flattens: data-parallel gradients average over it
+EXPERT = ("ep", "edp")  # blocks within a pipeline stage, and the ranks at one place in them
+DERIVED = ("world", "node", "dp_sp", *EXPERT)  # names a user-named axis may not take
 
 Ranks = tuple[int, ...]
 
@@ -41,69 +62,370 @@ def _check_divides(name: str, value: int, world_size: int) -> None:
         raise ValueError(msg)
 
 
+def _product(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
 @attrs.frozen(kw_only=True)
 class Layout:
-    """Sizes of the three axes over a world; build it with :func:`make_layout`."""
+    """The axes of a world, slowest first; build it with :func:`make_layout`.
+
+    Attributes:
+        world_size: The number of ranks.
+        axes: ``(name, size)`` pairs, slowest- to fastest-varying.
+        ep: The expert-parallel size (blocks of ``ep`` consecutive ranks of a stage).
+        inferred: The axis whose size was inferred (``"dp"`` in the keyword form).
+        keyword: Whether the keyword form (``tp=``, ``sp=``, ...) made it, not ``axes=``.
+    """
 
     world_size: int
-    dp: int
-    sp: int
-    tp: int
+    axes: tuple[tuple[str, int], ...]
+    ep: int = 1
+    inferred: str | None = None
+    keyword: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The axis names, slowest first."""
+        return tuple(name for name, _ in self.axes)
+
+    def axis_size(self, name: str) -> int:
+        """The size of layout axis ``name``, 1 where the layout lacks it."""
+        return dict(self.axes).get(name, 1)
+
+    @property
+    def pp(self) -> int:
+        """The pipeline-parallel size (1 where the layout has no ``pp``)."""
+        return self.axis_size("pp")
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size (1 where the layout has no ``dp``)."""
+        return self.axis_size("dp")
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel size (1 where the layout has no ``cp``)."""
+        return self.axis_size("cp")
+
+    @property
+    def sp(self) -> int:
+        """The sequence-parallel size (1 where the layout has no ``sp``)."""
+        return self.axis_size("sp")
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel size (1 where the layout has no ``tp``)."""
+        return self.axis_size("tp")
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        """Every group a context holds but ``world`` and ``node``: the axes, then the rest."""
+        fields = tuple(a for a in CANONICAL if a not in self.names)
+        return (*self.names, *fields, "dp_sp", *EXPERT)
+
+    def describe(self) -> str:
+        """The layout as its arguments were (what all ranks must agree on)."""
+        if self.keyword:
+            sizes = [f"tp={self.tp}", f"sp={self.sp}"]
+            sizes += [f"{a}={self.axis_size(a)}" for a in ("cp", "pp") if self.axis_size(a) > 1]
+        else:
+            sizes = [f"axes={dict(self.axes)!r}"]
+        return ", ".join(sizes + ([f"ep={self.ep}"] if self.ep > 1 else []))
+
+    def _strides(self) -> dict[str, int]:
+        strides, stride = {}, 1
+        for name, size in reversed(self.axes):
+            strides[name] = stride
+            stride *= size
+        return strides
+
+    def flattened(self, axis: str) -> tuple[str, ...]:
+        """The layout axes a group kind varies: an axis itself, ``dp_sp``'s, none when absent."""
+        if axis == "dp_sp":
+            return tuple(a for a in self.names if a in GRADIENT)
+        if axis == "world":
+            return self.names
+        if axis in self.names:
+            return (axis,)
+        if axis in CANONICAL:
+            return ()  # a canonical axis the layout lacks: one-rank groups
+        msg = f"axis={axis!r} is not one of {self.group_names}"
+        raise ValueError(msg)
 
     def size(self, axis: str) -> int:
-        """The size of ``axis`` (``"dp"``, ``"sp"``, ``"tp"`` or ``"dp_sp"``)."""
-        if axis not in GROUP_AXES:
-            msg = f"axis={axis!r} is not one of {GROUP_AXES}"
-            raise ValueError(msg)
-        if axis == "dp_sp":
-            return self.dp * self.sp
-        return int(getattr(self, axis))
+        """The size of the groups of ``axis`` (a layout axis, a canonical one, or derived)."""
+        if axis == "ep":
+            return self.ep
+        if axis == "edp":
+            return self.world_size // self.pp // self.ep
+        return _product(self.axis_size(a) for a in self.flattened(axis))
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """The ``(dp, sp, tp)`` coordinates of ``rank``."""
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """The coordinates of ``rank``, one per axis, slowest first."""
         if not 0 <= rank < self.world_size:
             msg = f"rank={rank!r} is outside the world of size {self.world_size}"
             raise ValueError(msg)
-        rest, t = divmod(rank, self.tp)
-        d, s = divmod(rest, self.sp)
-        return d, s, t
+        out = []
+        for _, size in reversed(self.axes):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
 
-    def rank_of(self, d: int, s: int, t: int) -> int:
-        """The rank at coordinates ``(d, s, t)``."""
-        return (d * self.sp + s) * self.tp + t
+    def rank_of(self, *coords: int) -> int:
+        """The rank at ``coords`` (one per axis, slowest first)."""
+        rank = 0
+        for (_, size), c in zip(self.axes, coords, strict=True):
+            rank = rank * size + c
+        return rank
 
-    def _stride(self, axis: str) -> int:
-        return {"tp": 1, "sp": self.tp, "dp": self.sp * self.tp, "dp_sp": self.tp}[axis]
+    def _offsets(self, varied: Iterable[str]) -> list[int]:
+        """Sorted rank offsets spanned by the ``varied`` axes from a rank with their coords 0."""
+        strides, sizes, varied = self._strides(), dict(self.axes), set(varied)
+        chosen = [a for a in self.names if a in varied]
+        spans = [range(0, sizes[a] * strides[a], strides[a]) for a in chosen]
+        return sorted(sum(combo) for combo in itertools.product(*spans))
 
-    def group_of(self, axis: str, rank: int) -> Ranks:
-        """The ranks of the ``axis`` group that contains ``rank``, in axis order."""
-        size = self.size(axis)
-        self.coords(rank)  # validates the rank
-        stride = self._stride(axis)
-        first = rank - rank // stride % size * stride
-        return tuple(range(first, first + size * stride, stride))
+    def _flat_groups(self, varied: Sequence[str]) -> tuple[Ranks, ...]:
+        offsets = self._offsets(varied)
+        bases = self._offsets(a for a in self.names if a not in varied)
+        return tuple(tuple(b + o for o in offsets) for b in bases)
+
+    def _expert_groups(self, axis: str) -> tuple[Ranks, ...]:
+        ep = self.ep
+        stages = self._flat_groups(self._stage_axes())
+        if axis == "ep":
+            found = [stage[i : i + ep] for stage in stages for i in range(0, len(stage), ep)]
+        else:
+            found = [stage[j::ep] for stage in stages for j in range(ep)]
+        return tuple(sorted(found))
 
     def groups(self, axis: str) -> tuple[Ranks, ...]:
-        """Every ``axis`` group, ordered by its first rank; together they partition the world."""
-        size, stride = self.size(axis), self._stride(axis)
-        firsts = (r for r in range(self.world_size) if r // stride % size == 0)
-        return tuple(tuple(range(first, first + size * stride, stride)) for first in firsts)
+        """Every ``axis`` group, ordered by its first rank; together they partition the world.
+
+        Each group lists its ranks in increasing order (torch's order for a group).
+        """
+        if axis in EXPERT:
+            return self._expert_groups(axis)
+        return self._flat_groups(self.flattened(axis))
+
+    def flatten(self, axes: Sequence[str]) -> tuple[Ranks, ...]:
+        """The partition into the ranks sharing every coordinate but those of ``axes``."""
+        for axis in axes:
+            if axis not in self.names:
+                msg = f"axes={tuple(axes)!r}: {axis!r} is not an axis of the layout {self.names}"
+                raise ValueError(msg)
+        return self._flat_groups(axes)
+
+    def _stage_axes(self) -> list[str]:
+        """The axes of one pipeline stage: all but ``pp``."""
+        return [a for a in self.names if a != "pp"]
+
+    def group_of(self, axis: str, rank: int) -> Ranks:
+        """The ranks of the ``axis`` group that contains ``rank``, in increasing order."""
+        coords = self.coords(rank)
+        varied = self._stage_axes() if axis in EXPERT else self.flattened(axis)
+        strides = self._strides()
+        base = rank - sum(
+            c * strides[a] for a, c in zip(self.names, coords, strict=True) if a in varied
+        )
+        group = tuple(base + o for o in self._offsets(varied))
+        if axis not in EXPERT:
+            return group
+        i, ep = group.index(rank), self.ep  # group: the caller's stage
+        return group[i - i % ep : i - i % ep + ep] if axis == "ep" else group[i % ep :: ep]
+
+    def mesh_names(self, axes: object) -> tuple[str, ...]:
+        """``device_mesh``'s ``axes`` checked against the layout: None means every axis.
+
+        Raises:
+            TypeError: ``axes`` is not None or a non-empty tuple.
+            ValueError: An unknown or repeated name, ``dp_sp`` beside an axis it holds,
+                an expert group beside a dense axis, or names out of order.
+        """
+        if axes is None:
+            return self.names
+        if isinstance(axes, str) or not isinstance(axes, tuple) or not axes:
+            msg = f"axes={axes!r} must be None or a non-empty tuple of axis names such as ('dp',)"
+            raise TypeError(msg)
+        valid = (*self.names, "dp_sp", *EXPERT)  # not the one-rank groups of absent axes
+        for axis in axes:
+            if axis not in valid:
+                msg = f"axes={axes!r}: {axis!r} is not one of {valid}"
+                raise ValueError(msg)
+        if len(set(axes)) != len(axes):
+            msg = f"axes={axes!r} names an axis twice"
+            raise ValueError(msg)
+        if any(a in EXPERT for a in axes):
+            order = ("pp", "edp", "ep")
+            if not set(axes) <= set(order) or list(axes) != [a for a in order if a in axes]:
+                msg = (
+                    f"axes={axes!r}: the expert groups make a mesh with each other and pp only, "
+                    f"in the order {order}, e.g. ('edp', 'ep') for FSDP2's expert weights"
+                )
+                raise ValueError(msg)
+            return axes
+        held = self.flattened("dp_sp")
+        if "dp_sp" in axes and len(axes) > 1 and set(axes) & {*held, *GRADIENT}:
+            holds = " and ".join(map(repr, held or GRADIENT))
+            msg = f"axes={axes!r}: 'dp_sp' already holds {holds}; use ('dp_sp', ...) alone"
+            raise ValueError(msg)
+        firsts = [self.names.index(self.flattened(a)[0]) for a in axes if self.flattened(a)]
+        if firsts != sorted(firsts):
+            msg = (
+                f"axes={axes!r} must go from slowest to fastest axis: "
+                f"{', '.join(self.names)} (dp_sp where its axes are)"
+            )
+            raise ValueError(msg)
+        return axes
+
+    def mesh(self, names: Sequence[str], rank: int) -> tuple[tuple[int, ...], Ranks]:
+        """The caller's sub-mesh over the group kinds ``names``: its shape and ranks, row-major.
+
+        ``names`` passed :meth:`mesh_names`. Along each dim lie the caller's group of that
+        kind; the caller's other coordinates stay fixed.
+        """
+        coords = self.coords(rank)
+        if any(n in EXPERT for n in names):
+            return self._expert_mesh(names, rank)
+        strides = self._strides()
+        varied = {a for n in names for a in self.flattened(n)}
+        base = rank - sum(
+            c * strides[a] for a, c in zip(self.names, coords, strict=True) if a in varied
+        )
+        dims = [self._offsets(self.flattened(n)) for n in names]
+        ranks = tuple(base + sum(combo) for combo in itertools.product(*dims))
+        return tuple(len(d) for d in dims), ranks
+
+    def _expert_mesh(self, names: Sequence[str], rank: int) -> tuple[tuple[int, ...], Ranks]:
+        stages = self._flat_groups(self._stage_axes())  # ordered by pp coordinate
+        p = next(q for q, stage in enumerate(stages) if rank in stage)
+        i = stages[p].index(rank)
+        here = {"pp": p, "edp": i // self.ep, "ep": i % self.ep}
+        spans = {n: range(self.size(n)) if n in names else (c,) for n, c in here.items()}
+        ranks = tuple(
+            stages[q][j * self.ep + e]
+            for q, j, e in itertools.product(spans["pp"], spans["edp"], spans["ep"])
+        )
+        return tuple(self.size(n) for n in names), ranks
 
 
-def make_layout(world_size: int, *, tp: int = 1, sp: int = 1) -> Layout:
-    """Validate the axis sizes (an error names the valid choices) and infer ``dp``."""
-    world_size = _check_size("world_size", world_size)
-    tp = _check_size("tp", tp)
-    sp = _check_size("sp", sp)
+def _keyword_axes(world_size: int, tp: int, sp: int, cp: int, pp: int) -> list[tuple[str, int]]:
+    """Check the keyword sizes fastest first (each names the valid choices); dp is the rest."""
     _check_divides("tp", tp, world_size)
-    rest = world_size // tp
-    if rest % sp:
+    rest, done = world_size // tp, [("tp", tp)]
+    for name, value in (("sp", sp), ("cp", cp), ("pp", pp)):
+        if rest % value:
+            over = " * ".join(n for n, _ in done)
+            over = over if len(done) == 1 else f"({over})"
+            given = ", ".join(f"{n}={v}" for n, v in done)
+            msg = (
+                f"{name}={value} does not divide world_size // {over} = {rest} "
+                f"(world_size={world_size}, {given}); choose one of {_divisors(rest)}"
+            )
+            raise ValueError(msg)
+        rest //= value
+        done.append((name, value))
+    sizes = {"pp": pp, "dp": rest, "cp": cp, "sp": sp, "tp": tp}
+    return [(a, sizes[a]) for a in CANONICAL if a in ALWAYS or sizes[a] > 1]
+
+
+def _check_ep(ep: object, world_size: int, pp: int) -> int:
+    ep = _check_size("ep", ep)
+    stage = world_size // pp
+    if stage % ep:
         msg = (
-            f"sp={sp} does not divide world_size // tp = {rest} "
-            f"(world_size={world_size}, tp={tp}); choose one of {_divisors(rest)}"
+            f"ep={ep} does not divide world_size // pp = {stage} (world_size={world_size}, "
+            f"pp={pp}): expert blocks lie within a pipeline stage; choose one of "
+            f"{_divisors(stage)}"
         )
         raise ValueError(msg)
-    return Layout(world_size=world_size, dp=rest // sp, sp=sp, tp=tp)
+    return ep
+
+
+def make_layout(
+    world_size: int, *, tp: int = 1, sp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1
+) -> Layout:
+    """The keyword form: ``pp, dp, cp, sp, tp`` with ``dp`` inferred; ``pp``/``cp`` when > 1.
+
+    Raises:
+        TypeError: A size is not an int (or is a bool).
+        ValueError: A size below 1, or one that does not divide what the faster axes
+            leave of the world (the message names the valid choices).
+    """
+    world_size = _check_size("world_size", world_size)
+    sizes = {n: _check_size(n, v) for n, v in (("tp", tp), ("sp", sp), ("cp", cp), ("pp", pp))}
+    axes = _keyword_axes(world_size, **sizes)
+    ep = _check_ep(ep, world_size, sizes["pp"])
+    return Layout(world_size=world_size, axes=tuple(axes), ep=ep, inferred="dp", keyword=True)
+
+
+def _check_axes(axes: object) -> list[tuple[str, int]]:
+    if not isinstance(axes, Mapping):
+        msg = f"axes={axes!r} must be a dict of axis name -> size, e.g. {{'dp': -1, 'tp': 2}}"
+        raise TypeError(msg)
+    if not axes:
+        msg = "axes={} names no axis; pass e.g. {'dp': -1} or leave axes=None"
+        raise ValueError(msg)
+    out = []
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            msg = f"axes={dict(axes)!r}: the name {name!r} must be a str identifier"
+            raise (ValueError if isinstance(name, str) else TypeError)(msg)
+        if name in DERIVED:
+            msg = (
+                f"axes={dict(axes)!r}: {name!r} is a group every context derives "
+                f"({', '.join(DERIVED)}); give the axis another name"
+            )
+            raise ValueError(msg)
+        if isinstance(size, bool) or not isinstance(size, int):
+            msg = f"axes[{name!r}]={size!r} must be an int (a positive size, or -1: inferred)"
+            raise TypeError(msg)
+        if size < 1 and size != -1:
+            msg = f"axes[{name!r}]={size!r} must be a positive integer, or -1 (inferred)"
+            raise ValueError(msg)
+        out.append((name, size))
+    return out
+
+
+def make_axes_layout(world_size: int, axes: object, *, ep: int = 1) -> Layout:
+    """User-named axes in the given order, slowest first; one size may be -1 (inferred).
+
+    Raises:
+        TypeError: ``axes`` is not a mapping of str to int, or a size is a bool.
+        ValueError: A name that is no identifier or is a derived group's, a size of 0,
+            two sizes of -1, sizes whose product is not the world size, or an ``ep``
+            that does not divide a pipeline stage.
+    """
+    world_size = _check_size("world_size", world_size)
+    pairs = _check_axes(axes)
+    unknown = [n for n, s in pairs if s == -1]
+    if len(unknown) > 1:
+        msg = (
+            f"axes={dict(pairs)!r} gives {len(unknown)} sizes of -1 "
+            f"({', '.join(map(repr, unknown))}); at most one axis may be inferred"
+        )
+        raise ValueError(msg)
+    known = _product(s for _, s in pairs if s != -1)
+    if world_size % known or (not unknown and known != world_size):
+        fix = (
+            f"choose sizes that multiply to {world_size}"
+            if not unknown
+            else f"the other sizes must divide {world_size}"
+        )
+        msg = (
+            f"axes={dict(pairs)!r}: the sizes multiply to {known}, but world_size={world_size}; "
+            f"{fix}"
+        )
+        raise ValueError(msg)
+    sized = tuple((n, world_size // known if s == -1 else s) for n, s in pairs)
+    ep = _check_ep(ep, world_size, dict(sized).get("pp", 1))
+    return Layout(
+        world_size=world_size, axes=sized, ep=ep, inferred=unknown[0] if unknown else None
+    )
 
 
 def consecutive_groups(world_size: int, size: int, *, name: str = "size") -> tuple[Ranks, ...]:

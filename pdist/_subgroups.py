@@ -26,13 +26,14 @@ import torch.distributed as dist
 from . import _agree, _compat
 from ._errors import PdistError
 from ._group import Blocks, Built, DistContext, Group, Lifetime, ProcessGroup
-from ._layout import AXES, GROUP_AXES, Layout, consecutive_groups, make_layout
+from ._layout import Layout, consecutive_groups, make_axes_layout
 
 __all__ = [
     "build_axes",
     "build_partition",
     "build_world",
     "device_mesh",
+    "flatten",
     "new_group",
     "new_sp_group",
     "new_tp_group",
@@ -155,15 +156,18 @@ def _require(group: Group | None, name: str) -> Group:
 
 
 def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str, Group]:
-    """The caller's ``tp``, ``sp``, ``dp`` and ``dp_sp`` groups, once all ranks agree on the sizes.
+    """The caller's group of every name in ``layout.group_names``, once all ranks agree on it.
 
     Ranks that built different partitions would each get a group the others never join.
+    The axes are built fastest first (then the one-rank groups of absent canonical axes,
+    then ``dp_sp``, ``ep``, ``edp``): a partition equal to one built before reuses it.
     """
-    _agree.check_same(world, "distributed()", f"tp={layout.tp}, sp={layout.sp}", None)
+    _agree.check_same(world, "distributed()", layout.describe(), None)
     world.lifetime.subgroup_timeout = timeout
+    order = (*reversed(layout.names), *layout.group_names[len(layout.names) :])
     return {
         axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
-        for axis in ("tp", "sp", "dp", "dp_sp")
+        for axis in order
     }
 
 
@@ -344,87 +348,127 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
     return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx))
 
 
-def _mesh_axes(axes: object) -> tuple[str, ...]:
-    if axes is None:
-        return AXES
-    if isinstance(axes, str) or not isinstance(axes, tuple) or not axes:
-        msg = f"axes={axes!r} must be None or a non-empty tuple of axis names such as ('dp',)"
-        raise TypeError(msg)
+def _flatten_axes(ctx: DistContext, axes: tuple[object, ...]) -> tuple[str, ...]:
+    """``axes`` checked against the context's layout, in layout order."""
+    layout = ctx.layout
+    if not axes:
+        first = layout.names[0]
+        msg = f"flatten() names no axis; pass axes of the layout, e.g. flatten(ctx, {first!r})"
+        raise ValueError(msg)
     for axis in axes:
-        if axis not in GROUP_AXES:
-            msg = f"axes={axes!r}: {axis!r} is not one of {GROUP_AXES}"
+        if not isinstance(axis, str):
+            msg = f"axes={axes!r}: {axis!r} is not an axis name (a str)"
+            raise TypeError(msg)
+        if axis not in layout.names:
+            msg = (
+                f"axes={axes!r}: {axis!r} is not an axis of the layout; choose from {layout.names}"
+            )
             raise ValueError(msg)
     if len(set(axes)) != len(axes):
         msg = f"axes={axes!r} names an axis twice"
         raise ValueError(msg)
-    if "dp_sp" in axes and ("dp" in axes or "sp" in axes):
-        msg = f"axes={axes!r}: 'dp_sp' already holds 'dp' and 'sp'; use ('dp_sp', ...) alone"
-        raise ValueError(msg)
-    rank = {"dp": 0, "sp": 1, "dp_sp": 1, "tp": 2}
-    if [rank[a] for a in axes] != sorted(rank[a] for a in axes):
-        msg = f"axes={axes!r} must go from slowest to fastest axis: dp, sp (or dp_sp), tp"
-        raise ValueError(msg)
-    return axes
+    return tuple(a for a in layout.names if a in axes)
+
+
+def flatten(ctx: DistContext, *axes: str) -> Group:
+    """The ranks sharing every coordinate of the caller except those of ``axes``, as one Group.
+
+    For any combination the context does not hold: ``flatten(ctx, "dp", "cp")`` (FSDP over
+    data and context parallelism), ``flatten(ctx, "dp_replicate", "dp_shard")``, ... With
+    ``pp=2, tp=2`` on 8 ranks, ``flatten(ctx, "dp", "tp")`` on rank 5 holds ``(4, 5, 6, 7)``.
+    The communicators are built once per block: asking again, or for a partition the
+    context holds already, builds nothing.
+
+    .. note:: Every rank of the world must call it with the same axes, in the same order
+       as other group creations.
+
+    Args:
+        ctx: The context.
+        axes: Axis names of the layout (``ctx.axes``), in any order.
+
+    Returns:
+        The caller's group, named after the axes joined by ``_`` in layout order.
+
+    Raises:
+        TypeError: An axis is not a str (on every rank).
+        ValueError: No axis, an unknown or repeated one (on every rank).
+        RankMismatchError: Ranks passed different axes (on every rank).
+        PdistError: The context is closed.
+    """
+    _check_ctx(ctx)
+    ctx.world.lifetime.check_open()
+    try:
+        names, error = _flatten_axes(ctx, axes), None
+    except (TypeError, ValueError) as exc:
+        names, error = (), exc
+    _agree.check_same(ctx.world, "flatten()", repr(names), error)
+    label = "_".join(names)
+    blocks = ctx.layout.flatten(names)
+    return _require(
+        build_partition(ctx.world, label, blocks, timeout=_subgroup_timeout(ctx)), label
+    )
 
 
 def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:
-    """The ``(dp, sp, tp)`` layout of ``ctx``, checked to hold its groups on the ``names`` axes.
+    """The layout of ``ctx``'s groups, checked to hold its groups on the ``names`` axes.
 
     A context from :func:`patch_tp` may hold groups that are no axes of one mesh; a mesh
     built from them would pair each dim with the wrong group.
     """
+    layout = ctx.layout
     fix = (
-        "the context's groups do not form one (dp, sp, tp) mesh (is ctx.tp a group from "
-        "patch_tp?); build multi-axis meshes from the context distributed() yielded, or "
-        "ask for one axis"
+        f"the context's groups do not form one ({', '.join(layout.names)}) mesh (is ctx.tp a "
+        "group from patch_tp?); build multi-axis meshes from the context distributed() "
+        "yielded, or ask for one axis"
     )
+    sizes = {a: -1 if a == layout.inferred else ctx.group(a).world_size for a in layout.names}
     try:
-        layout = make_layout(ctx.world_size, tp=ctx.tp.world_size, sp=ctx.sp.world_size)
+        rebuilt = make_axes_layout(ctx.world_size, sizes, ep=ctx.ep.world_size)
     except ValueError as exc:
         msg = f"device_mesh(axes={names!r}) on rank {ctx.rank}: {exc}; {fix}"
         raise ValueError(msg) from None
     for axis in names:
-        ranks, expected = getattr(ctx, axis).ranks, layout.group_of(axis, ctx.rank)
+        ranks, expected = ctx.group(axis).ranks, rebuilt.group_of(axis, ctx.rank)
         if ranks != expected:
+            shown = ", ".join(f"{a}={s}" for a, s in rebuilt.axes)
             msg = (
                 f"device_mesh(axes={names!r}) on rank {ctx.rank}: ctx.{axis} holds ranks "
-                f"{ranks}, but the mesh of dp={layout.dp}, sp={layout.sp}, tp={layout.tp} "
-                f"puts ranks {expected} on that axis; {fix}"
+                f"{ranks}, but the mesh of {shown} puts ranks {expected} on that axis; {fix}"
             )
             raise ValueError(msg)
-    return layout
+    return rebuilt
 
 
 def device_mesh(ctx: DistContext, axes: tuple[str, ...] | None = None) -> Any:
-    """A ``DeviceMesh`` over the context's own groups: the full ``(dp, sp, tp)`` mesh or a sub-mesh.
+    """A ``DeviceMesh`` over the context's own groups: the whole dense mesh or a sub-mesh.
 
-    ``axes=None`` gives the 3-D mesh named ``("dp", "sp", "tp")``; axis names give the
-    caller's sub-mesh, ready for FSDP2: ``("dp",)``, ``("dp_sp",)``, ``("dp", "sp")``
-    (HSDP), ``("tp",)``. On 4 ranks with ``tp=2``, rank 1 gets for ``("dp_sp",)`` the
-    mesh ``[1, 3]``. No new communicator; release the mesh before the block exits.
+    ``axes=None`` gives the mesh of every axis of the layout, named after them
+    (``("dp", "sp", "tp")`` in the keyword form with ``pp = cp = 1``). Axis names give
+    the caller's sub-mesh, ready for FSDP2: ``("dp",)``, ``("dp_sp",)``, ``("dp", "sp")``
+    (HSDP), ``("tp",)``, any user-named axis, and the expert mesh ``("edp", "ep")`` for
+    expert weights (``("pp", "edp", "ep")`` with the stages). On 4 ranks with ``tp=2``,
+    rank 1 gets for ``("dp_sp",)`` the mesh ``[1, 3]``. No new communicator; release the
+    mesh before the block exits.
 
     Args:
         ctx: The context.
-        axes: None, or axis names from ``("dp", "sp", "dp_sp", "tp")``, slowest first.
+        axes: None, or group names (axes of the layout, ``dp_sp``, ``ep``, ``edp``),
+            slowest first.
 
     Raises:
         TypeError: ``axes`` is not None or a tuple.
-        ValueError: An unknown or repeated axis, ``dp_sp`` with ``dp`` or ``sp``,
-            axes out of order, or (several axes) groups that form no such mesh.
+        ValueError: An unknown or repeated name, ``dp_sp`` with an axis it holds, an
+            expert group with a dense axis, names out of order, or (several names)
+            groups that form no such mesh.
         PdistError: The context is closed.
     """
     _check_ctx(ctx)
-    names = _mesh_axes(axes)
+    names = ctx.layout.mesh_names(axes)
     if len(names) == 1:  # one axis: its group is the mesh, whatever the other groups are
-        group = getattr(ctx, names[0])
+        group = ctx.group(names[0])
         ranks = torch.tensor(group.ranks, dtype=torch.int)
         return _compat.device_mesh_from_group(group.device_group, ctx.device.type, ranks, names)
-    layout = _mesh_layout(ctx, names)
-    grid = torch.arange(ctx.world_size, dtype=torch.int).view(layout.dp, layout.sp, layout.tp)
-    if "dp_sp" in names:  # with two or more axes: ("dp_sp", "tp")
-        mesh = grid.reshape(layout.dp * layout.sp, layout.tp)
-    else:
-        coords = zip(AXES, layout.coords(ctx.rank), strict=True)
-        mesh = grid[tuple(slice(None) if axis in names else c for axis, c in coords)].contiguous()
-    groups = [getattr(ctx, axis).device_group for axis in names]  # two or more
+    shape, members = _mesh_layout(ctx, names).mesh(names, ctx.rank)
+    mesh = torch.tensor(members, dtype=torch.int).view(shape)
+    groups = [ctx.group(axis).device_group for axis in names]  # two or more
     return _compat.device_mesh_from_group(groups, ctx.device.type, mesh, names)

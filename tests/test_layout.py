@@ -6,7 +6,10 @@ import itertools
 
 import pytest
 
-from pdist._layout import AXES, consecutive_groups, make_layout
+from pdist._env import resolve_layout
+from pdist._layout import consecutive_groups, make_axes_layout, make_layout
+
+AXES = ("dp", "sp", "tp")  # the seeds' keyword layout with pp = cp = 1
 
 
 def _valid(world_size: int):
@@ -85,8 +88,8 @@ def test_errors_name_axis_value_world_and_choice():
         make_layout(4, sp=-2)
     with pytest.raises(TypeError, match=r"tp=2.0 must be an int"):
         make_layout(4, tp=2.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="axis='pp'"):
-        make_layout(4).size("pp")
+    with pytest.raises(ValueError, match="axis='cfg'"):
+        make_layout(4).size("cfg")
     with pytest.raises(ValueError, match="rank=4 is outside"):
         make_layout(4).coords(4)
 
@@ -149,3 +152,199 @@ def test_dp_sp_holds_the_ranks_sharing_a_tp_index(world_size, tp, sp):
             assert group == layout.group_of("dp", rank)
     flat = sorted(itertools.chain.from_iterable(layout.groups("dp_sp")))
     assert flat == list(range(world_size))
+
+
+# --------------------------------------------------------------------------- any layout
+
+# (world_size, keywords or None, axes or None): every layout the arithmetic is checked on.
+LAYOUTS = [
+    (8, {"pp": 2, "tp": 2}, None),
+    (8, {"cp": 2, "sp": 2}, None),
+    (8, {"pp": 2, "ep": 2, "tp": 2}, None),
+    (8, {"ep": 4}, None),
+    (8, {"pp": 4, "ep": 2}, None),
+    (16, {"pp": 2, "cp": 2, "sp": 2, "tp": 2, "ep": 4}, None),
+    (12, {"pp": 3, "tp": 2, "ep": 2}, None),
+    (12, {"cp": 3, "sp": 2}, None),
+    (8, None, {"dp": -1, "cfg": 2, "sp": 2}),
+    (8, None, {"dp": 2, "pp": 2, "tp": 2}),
+    (8, None, {"dp": 2, "pp": 2, "tp": 2, "ep": 4}),
+    (16, None, {"dp_replicate": 2, "dp_shard": -1, "cp": 2, "tp": 2}),
+    (12, None, {"tp": 3, "pp": 2, "dp": -1, "ep": 3}),
+    (6, None, {"cfg": 2, "sp": 3, "ep": 3}),
+    (1, None, {"dp": -1}),
+    (1, {}, None),
+]
+
+
+def _build(world_size, keywords, axes):
+    if axes is None:
+        return make_layout(world_size, **keywords)
+    axes = dict(axes)
+    return make_axes_layout(
+        world_size, {k: v for k, v in axes.items() if k != "ep"}, ep=axes.get("ep", 1)
+    )
+
+
+def _expected_axes(world_size, keywords, axes):
+    """The axes the layout must have: (name, size), slowest first."""
+    if axes is not None:
+        named = {k: v for k, v in axes.items() if k != "ep"}
+        known = 1
+        for v in named.values():
+            known *= v if v != -1 else 1
+        return [(k, world_size // known if v == -1 else v) for k, v in named.items()]
+    sizes = {"pp": 1, "cp": 1, "sp": 1, "tp": 1, **{k: v for k, v in keywords.items() if k != "ep"}}
+    sizes["dp"] = world_size // (sizes["pp"] * sizes["cp"] * sizes["sp"] * sizes["tp"])
+    return [
+        (a, sizes[a]) for a in ("pp", "dp", "cp", "sp", "tp") if a in "dp sp tp" or sizes[a] > 1
+    ]
+
+
+def _reference(world_size, pairs, ep):
+    """Every group kind's group of every rank, from coordinates (rank r = r-th in product order)."""
+    names = [n for n, _ in pairs]
+    coords = list(itertools.product(*(range(s) for _, s in pairs)))
+    assert len(coords) == world_size
+
+    def sharing(rank, varied):
+        fixed = [i for i, n in enumerate(names) if n not in varied]
+        return tuple(
+            r for r in range(world_size) if all(coords[r][i] == coords[rank][i] for i in fixed)
+        )
+
+    kinds = {n: (n,) for n in names}
+    kinds["dp_sp"] = tuple(n for n in names if n in ("dp", "cp", "sp"))
+    for n in ("pp", "dp", "cp", "sp", "tp"):
+        kinds.setdefault(n, ())
+    ref = {kind: [sharing(r, varied) for r in range(world_size)] for kind, varied in kinds.items()}
+    ref["ep"], ref["edp"] = [], []
+    for r in range(world_size):
+        stage = sharing(r, [n for n in names if n != "pp"])
+        i = stage.index(r)
+        ref["ep"].append(stage[i // ep * ep : i // ep * ep + ep])
+        ref["edp"].append(tuple(s for k, s in enumerate(stage) if k % ep == i % ep))
+    for subset in itertools.chain.from_iterable(
+        itertools.combinations(names, k) for k in range(1, len(names) + 1)
+    ):
+        ref[subset] = [sharing(r, subset) for r in range(world_size)]
+    return ref, coords
+
+
+@pytest.mark.parametrize(("world_size", "keywords", "axes"), LAYOUTS)
+def test_any_layout_matches_coordinates(world_size, keywords, axes):
+    """Every group kind (axes, dp_sp, ep, edp, any flatten) equals the groups computed from coordinates."""
+    layout = _build(world_size, keywords, axes)
+    pairs = _expected_axes(world_size, keywords, axes)
+    assert list(layout.axes) == pairs
+    ep = (keywords or axes or {}).get("ep", 1)
+    ref, coords = _reference(world_size, pairs, ep)
+    for r in range(world_size):
+        assert layout.coords(r) == coords[r]
+        assert layout.rank_of(*coords[r]) == r
+    for kind, per_rank in ref.items():
+        partition = tuple(sorted(set(per_rank)))
+        if isinstance(kind, tuple):
+            assert layout.flatten(kind) == partition, kind
+            continue
+        assert layout.groups(kind) == partition, kind
+        assert layout.size(kind) == len(per_rank[0]), kind
+        for r in range(world_size):
+            assert layout.group_of(kind, r) == per_rank[r], (kind, r)
+    assert set(layout.group_names) == {k for k in ref if isinstance(k, str)}
+
+
+@pytest.mark.parametrize(("world_size", "keywords", "axes"), LAYOUTS)
+def test_sub_meshes_hold_the_callers_groups(world_size, keywords, axes):
+    """Each dim of a sub-mesh is the caller's group of that kind; the mesh holds the caller once."""
+    layout = _build(world_size, keywords, axes)
+    choices = [layout.names, layout.names[-2:], ("dp_sp", layout.names[-1]), ("edp", "ep")]
+    if layout.pp > 1:
+        choices.append(("pp", "edp", "ep"))
+    for names in choices:
+        try:
+            names = layout.mesh_names(tuple(names))
+        except ValueError:
+            continue  # dp_sp beside an axis it holds
+        for r in range(world_size):
+            shape, ranks = layout.mesh(names, r)
+            assert len(ranks) == len(set(ranks)) == _prod(shape)
+            assert ranks.count(r) == 1
+            index = ranks.index(r)
+            at = []
+            for size in reversed(shape):
+                index, c = divmod(index, size)
+                at.append(c)
+            at.reverse()
+            for d, name in enumerate(names):  # along dim d through the caller: its group
+                stride = _prod(shape[d + 1 :])
+                start = ranks.index(r) - at[d] * stride
+                line = tuple(ranks[start + k * stride] for k in range(shape[d]))
+                assert line == layout.group_of(name, r), (names, name, r)
+
+
+def _prod(values):
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def test_design_examples():
+    """DESIGN's examples: pp=2, tp=2 on 8 ranks; the expert grid with pp in the middle."""
+    layout = make_layout(8, pp=2, tp=2)
+    assert layout.names == ("pp", "dp", "sp", "tp")
+    assert layout.groups("pp") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert layout.groups("dp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert layout.groups("edp") == ((0, 1, 2, 3), (4, 5, 6, 7))  # ep = 1: the stage
+    assert make_layout(8, tp=2, sp=2).names == ("dp", "sp", "tp")
+    assert make_layout(8, cp=2).names == ("dp", "cp", "sp", "tp")
+    named = make_axes_layout(8, {"dp": 2, "pp": 2, "tp": 2}, ep=4)
+    assert named.groups("pp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert named.groups("ep") == ((0, 1, 4, 5), (2, 3, 6, 7))  # a stage: 0, 1, 4, 5
+    assert named.mesh(("edp", "ep"), 6) == ((1, 4), (2, 3, 6, 7))
+
+
+BAD = [
+    # (world_size, keywords, error, message)
+    (4, {"pp": 3}, ValueError, r"pp=3 does not divide .* = 4 .*choose one of \[1, 2, 4\]"),
+    (4, {"ep": 3}, ValueError, r"ep=3 does not divide world_size // pp = 4 .*\[1, 2, 4\]"),
+    (8, {"pp": 2, "ep": 8}, ValueError, r"ep=8 does not divide world_size // pp = 4 .*\[1, 2, 4\]"),
+    (8, {"cp": 3}, ValueError, r"cp=3 does not divide world_size // \(tp \* sp\) = 8"),
+    (4, {"cp": 0}, ValueError, r"cp=0 must be a positive integer"),
+    (4, {"pp": True}, TypeError, r"pp=True must be an int"),
+    (4, {"ep": 0}, ValueError, r"ep=0 must be a positive integer"),
+    (4, {"axes": {"dp": -1, "sp": -1}}, ValueError, r"2 sizes of -1 \('dp', 'sp'\)"),
+    (4, {"axes": {"dp": -1}, "tp": 2}, ValueError, r"axes= excludes .* tp=2"),
+    (4, {"axes": {"dp": -1}, "pp": 2}, ValueError, r"axes= excludes .* pp=2"),
+    (4, {"axes": {"dp": 2, "ep": 2}}, ValueError, r"'ep' is a group every context derives"),
+    (4, {"axes": {"world": 4}}, ValueError, r"'world' is a group every context derives"),
+    (4, {"axes": {"dp_sp": 4}}, ValueError, r"'dp_sp' is a group"),
+    (4, {"axes": {"node": 4}}, ValueError, r"'node' is a group"),
+    (4, {"axes": {"edp": 4}}, ValueError, r"'edp' is a group"),
+    (8, {"axes": {"dp": 2, "cfg": 2}}, ValueError, r"multiply to 4, but world_size=8"),
+    (8, {"axes": {"dp": -1, "cfg": 3}}, ValueError, r"multiply to 3, but world_size=8"),
+    (4, {"axes": {"dp": 0, "cfg": 4}}, ValueError, r"axes\['dp'\]=0 must be a positive"),
+    (4, {"axes": {"dp": True}}, TypeError, r"axes\['dp'\]=True must be an int"),
+    (4, {"axes": {"dp": 2.0}}, TypeError, r"axes\['dp'\]=2.0 must be an int"),
+    (4, {"axes": {"my axis": 4}}, ValueError, r"'my axis' must be a str identifier"),
+    (4, {"axes": {3: 4}}, TypeError, r"the name 3 must be a str"),
+    (4, {"axes": [("dp", 4)]}, TypeError, r"must be a dict"),
+    (4, {"axes": {}}, ValueError, r"names no axis"),
+    (8, {"axes": {"dp": 2, "pp": 2, "tp": 2}, "ep": 8}, ValueError, r"ep=8 does not divide"),
+]
+
+
+@pytest.mark.parametrize(("world_size", "keywords", "error", "message"), BAD)
+def test_bad_layouts_are_refused_before_any_communicator(world_size, keywords, error, message):
+    """Bad sizes and names raise a ValueError/TypeError naming the parameter, value and choices."""
+    with pytest.raises(error, match=message):
+        resolve_layout(world_size, **keywords)
+
+
+def test_large_layouts_stay_linear():
+    """W = 8192 with pp=4, cp=2, tp=8, ep=8: every partition built, no group twice."""
+    layout = make_layout(8192, pp=4, cp=2, tp=8, ep=8)
+    for kind in layout.group_names:
+        flat = sorted(itertools.chain.from_iterable(layout.groups(kind)))
+        assert flat == list(range(8192)), kind

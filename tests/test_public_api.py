@@ -20,6 +20,7 @@ PUBLIC = {
     "new_sp_group",
     "new_group",
     "device_mesh",
+    "flatten",
     # ranks
     "is_rank0",
     "is_local_rank0",
