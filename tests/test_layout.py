@@ -233,7 +233,7 @@ def _reference(world_size, pairs, ep):
 
 @pytest.mark.parametrize(("world_size", "keywords", "axes"), LAYOUTS)
 def test_any_layout_matches_coordinates(world_size, keywords, axes):
-    """Every group kind (axes, dp_sp, ep, edp, any flatten) equals the groups computed from coordinates."""
+    """Every group kind (axes, dp_sp, ep, edp, any flatten) equals the coordinates' groups."""
     layout = _build(world_size, keywords, axes)
     pairs = _expected_axes(world_size, keywords, axes)
     assert list(layout.axes) == pairs
