@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 from fsdp_state import needs_fsdp2_on_cpu
+from launcher import run_ranks
 from torch import nn
 
 import pdist
@@ -214,3 +216,33 @@ def test_torch_pipelining_over_pp_with_fsdp_over_dp():
     for _, diff, scale in results:
         assert scale > 0
         assert diff <= 1e-5 * max(1.0, scale)
+
+
+PP_STALL = """
+    import logging, time, torch, pdist
+    logging.basicConfig(format="%(created).3f %(message)s")
+
+    with pdist.distributed(pp=2, stall_timeout=2) as ctx:  # pp [0, 2] [1, 3]
+        pdist.all_reduce(ctx.pp, torch.ones(1))  # gloo connects a group's pairs on first use
+        pdist.barrier(ctx)
+        if ctx.rank == 2:
+            time.sleep(8)  # late to its pp all_reduce
+        pdist.all_reduce(ctx.pp, torch.ones(1024))
+        pdist.barrier(ctx)  # ranks 1 and 3 stay (and answer) until rank 2 is back
+    print("DONE", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_stall_on_the_pp_axis_names_the_pp_group():
+    """Rank 0 waits on ctx.pp while rank 2 sleeps: the live report names the pp group."""
+    results = run_ranks(PP_STALL, 4, timeout=60, env={"PDIST_STALL_ANSWER_SEC": "6"})
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert "DONE" in r.output
+    outputs = "\n".join(r.output for r in results)
+    report = re.search(r"pdist: stall report .*?did not answer[^\n]*", outputs, flags=re.DOTALL)
+    assert report is not None, outputs
+    text = report.group(0)
+    assert re.search(r"group pp \(.*\), ranks 0, 2:\n +rank 0 in (gloo:)?all_reduce", text), text
+    assert re.search(r"rank 2 not entered #\d+", text), text
