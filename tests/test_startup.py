@@ -445,6 +445,17 @@ def test_communicator_calls_do_not_grow_with_the_world():
         assert run["world_wide"] == run["split_group"]
 
 
+def test_a_five_axis_job_holds_one_communicator_per_partition():
+    """Simulated pp=4, cp=2, tp=8, ep=8: calls <= groups held + 2, O(W) gathers, few splits."""
+    runs = [(512, "pdist-full"), (2048, "pdist-full"), (512, "pdist-split-full")]
+    [results] = spawn(_simulations, 1, runs, timeout=120)
+    for run in results:
+        assert run["new_group"] + run["split_group"] <= run["held"] + 2
+        assert run["all_gather_bytes"] == 160 * run["world_size"]
+    assert results[0]["new_group"] == results[1]["new_group"]  # not growing with W
+    assert results[2]["world_wide"] == results[2]["split_group"] <= results[2]["held"]
+
+
 def _three_blocks() -> list[float]:
     out = []
     for tp in (1, 2, 2):

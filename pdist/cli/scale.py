@@ -3,6 +3,8 @@
 The rank runs ``distributed(tp=8, stall_timeout=0)`` (start-up alone) on torch's fake process
 group, in a fresh interpreter per measurement, next to ``init_device_mesh`` (mode ``mesh``) and
 to pdist on an accelerator-bound world whose device groups are split from it (``pdist-split``).
+The ``-full`` modes do the same for the five-axis job ``pp=4, cp=2, tp=8, ep=8``; its ``mesh``
+builds torch's dense mesh ``(pp, dp, cp, sp, tp)`` plus the expert mesh ``(pp, edp, ep)``.
 Only torch is patched, never pdist, so the figures are pdist's own.
 """
 
@@ -26,11 +28,13 @@ import torch.distributed as dist
 
 from .. import _compat, distributed
 
-__all__ = ["DEFAULT_WORLDS", "MODES", "format_table", "measure", "simulate"]
+__all__ = ["DEFAULT_WORLDS", "LAYOUTS", "MODES", "format_table", "measure", "simulate"]
 
 DEFAULT_WORLDS = (512, 4096, 8192, 16384)
-MODES = ("pdist", "mesh", "pdist-split")
-_TP = _PER_HOST = 8
+# The simulated jobs' layouts: distributed()'s keywords (the mesh baseline builds the same).
+LAYOUTS = {"": {"tp": 8}, "-full": {"pp": 4, "cp": 2, "tp": 8, "ep": 8}}
+MODES = tuple(f"{base}{suffix}" for suffix in LAYOUTS for base in ("pdist", "mesh", "pdist-split"))
+_PER_HOST = 8
 
 
 def _replace(stack: contextlib.ExitStack, owner: Any, name: str, new: Any) -> None:
@@ -107,14 +111,58 @@ def _bind_to_meta(stack: contextlib.ExitStack) -> None:
     _replace(stack, _world(), "bound_device_id", torch.device("meta", 0))
 
 
+def _split_mode(mode: str) -> tuple[str, dict[str, int]]:
+    for suffix, sizes in LAYOUTS.items():
+        base = mode.removesuffix(suffix) if suffix else mode
+        if base in ("pdist", "mesh", "pdist-split") and (suffix or mode == base):
+            return base, sizes
+    msg = f"mode={mode!r} is not one of {MODES}"
+    raise ValueError(msg)
+
+
+def _meshes(world_size: int, sizes: dict[str, int]) -> list[Any]:
+    """The meshes torch builds for of the layout: the dense one, and the expert one where ep > 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    all_sizes = {"pp": 1, "cp": 1, "sp": 1, "tp": 1, "ep": 1, **sizes}
+    dp = world_size // (all_sizes["pp"] * all_sizes["cp"] * all_sizes["sp"] * all_sizes["tp"])
+    all_sizes["dp"] = dp
+    dims = [(a, all_sizes[a]) for a in ("pp", "dp", "cp", "sp", "tp")]
+    dims = [(a, n) for a, n in dims if a in ("dp", "sp", "tp") or n > 1]
+    meshes = [
+        init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(a for a, _ in dims))
+    ]
+    pp, ep = all_sizes["pp"], all_sizes["ep"]
+    if ep > 1:
+        expert = [("pp", pp), ("edp", world_size // pp // ep), ("ep", ep)]
+        expert = [(a, n) for a, n in expert if a != "pp" or n > 1]
+        shape, names = tuple(n for _, n in expert), tuple(a for a, _ in expert)
+        meshes.append(init_device_mesh("cpu", shape, mesh_dim_names=names))
+    return meshes
+
+
+def _held(ctx: Any) -> int:
+    """The distinct communicators the context holds (its groups' device and CPU groups)."""
+    names = ("world", "node", *ctx.layout.group_names)
+    pgs = {id(ctx.group(n).device_group) for n in names}
+    return len(pgs | {id(ctx.group(n).cpu_group) for n in names})
+
+
 def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str, Any]:
     """One start-up's figures, measured in this process (only a fresh one's memory counts).
 
     With ``clean_up`` the groups, the world and torch's functions are put back afterwards.
+    A world the mode's layout does not divide is skipped (``"skipped": True``).
     """
+    base, sizes = _split_mode(mode)
+    ranks = sizes.get("pp", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
+    if (
+        world_size % _PER_HOST
+        or world_size % ranks
+        or world_size // sizes.get("pp", 1) % sizes.get("ep", 1)
+    ):
+        return {"world_size": world_size, "mode": mode, "skipped": True}
     _compat.register_fake_backend()
-    from torch.distributed.device_mesh import init_device_mesh
-
     os.environ["LOCAL_WORLD_SIZE"] = str(_PER_HOST)
     rank = world_size // 2 + 3 if world_size > 8 else world_size - 1
     dist.init_process_group("fake", store=_compat.HashStore(), rank=rank, world_size=world_size)
@@ -122,20 +170,21 @@ def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str,
     stack = contextlib.ExitStack()
     try:
         _wrap_torch(stack, stats)
-        if mode == "pdist-split":
+        if base == "pdist-split":
             _bind_to_meta(stack)
         gc.collect()
         rss, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.process_time()
-        if mode == "mesh":
-            shape, names = (world_size // _TP, 1, _TP), ("dp", "sp", "tp")
-            held: Any = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        if base == "mesh":
+            held: Any = _meshes(world_size, sizes)
         else:
-            held = distributed(tp=_TP, stall_timeout=0)
-            held.__enter__()
+            keywords: dict[str, Any] = dict(sizes)
+            held = distributed(**keywords, stall_timeout=0)
+            ctx = held.__enter__()
             if clean_up:  # before the patches go: the stack closes last in, first out
                 stack.callback(held.__exit__, None, None, None)
         seconds = time.process_time() - start
         added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+        stats["held"] = 0 if base == "mesh" else _held(ctx)
         del held
     finally:
         if clean_up:
@@ -164,21 +213,33 @@ def measure(world_size: int, mode: str, *, timeout: float = 600.0) -> dict[str, 
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The table ``pdist bench --simulate-world`` prints: the modes of each world side by side."""
-    by = {(r["world_size"], r["mode"]): r for r in rows}
-    lines = [
-        f"{'W':>6} | {'pdist cpu':>9} {'mesh cpu':>9} {'ratio':>6} | {'pdist rss':>9} "
-        f"{'mesh rss':>9} | {'pdist calls':>11} {'mesh calls':>10} | {'host bytes':>10} "
-        f"{'/ W':>5} | {'split path: world-wide splits':>29}"
-    ]
-    for w in sorted({r["world_size"] for r in rows}):
-        p, m, s = (by[w, mode] for mode in MODES)
-        ratio = p["cpu_seconds"] / m["cpu_seconds"] if m["cpu_seconds"] > 0 else float("inf")
-        splits = f"{s['split_group']} (+{s['world_wide'] - s['split_group']} other)"
-        lines.append(
-            f"{w:>6} | {p['cpu_seconds']:>8.3f}s {m['cpu_seconds']:>8.3f}s {ratio:>5.2f}x | "
-            f"{p['added_rss_mib']:>6.1f}MiB {m['added_rss_mib']:>6.1f}MiB | "
-            f"{p['new_group'] + p['split_group']:>11} {m['new_group'] + m['split_group']:>10} | "
-            f"{p['all_gather_bytes']:>10} {p['all_gather_bytes'] / w:>5.0f} | {splits:>29}"
-        )
+    """The table ``pdist bench --simulate-world`` prints: the modes of each world side by side.
+
+    ``calls``: torch's group-creating calls (``new_group`` + ``split_group``); ``held``:
+    the communicators the context holds.
+    """
+    by = {(r["world_size"], r["mode"]): r for r in rows if not r.get("skipped")}
+    lines = []
+    for suffix, sizes in LAYOUTS.items():
+        layout = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        lines += [
+            f"layout {layout}:",
+            f"{'W':>6} | {'pdist cpu':>9} {'mesh cpu':>9} {'ratio':>6} | {'pdist rss':>9} "
+            f"{'mesh rss':>9} | {'pdist calls':>11} {'held':>5} {'mesh calls':>10} | "
+            f"{'host bytes':>10} {'/ W':>5} | {'split path: world-wide splits':>29}",
+        ]
+        for w in sorted({w for w, _ in by}):
+            found = [by.get((w, f"{mode}{suffix}")) for mode in ("pdist", "mesh", "pdist-split")]
+            if any(r is None for r in found):
+                continue
+            p, m, s = (r for r in found if r is not None)
+            ratio = p["cpu_seconds"] / m["cpu_seconds"] if m["cpu_seconds"] > 0 else float("inf")
+            splits = f"{s['split_group']} (+{s['world_wide'] - s['split_group']} other)"
+            lines.append(
+                f"{w:>6} | {p['cpu_seconds']:>8.3f}s {m['cpu_seconds']:>8.3f}s {ratio:>5.2f}x | "
+                f"{p['added_rss_mib']:>6.1f}MiB {m['added_rss_mib']:>6.1f}MiB | "
+                f"{p['new_group'] + p['split_group']:>11} {p.get('held', 0):>5} "
+                f"{m['new_group'] + m['split_group']:>10} | "
+                f"{p['all_gather_bytes']:>10} {p['all_gather_bytes'] / w:>5.0f} | {splits:>29}"
+            )
     return "\n".join(lines)
