@@ -104,7 +104,9 @@ class _Distributed:
             raise
         finally:
             took = deadline.disarm()
-        logger.info("pdist: start-up of %d ranks took %.2fs", launch.world_size, took)
+        axes = ", ".join(f"{name}={size}" for name, size in settings.layout.axes)
+        msg = "pdist: start-up of %d ranks (%s, ep=%d) took %.2fs"
+        logger.info(msg, launch.world_size, axes, settings.layout.ep, took)
         if settings.cpu_affinity and ctx.device.type == "cuda":
             before = _topology.apply_gpu_affinity(ctx.device)
             if before is not None:

@@ -226,7 +226,8 @@ def wrap_ddp(
 ) -> DistributedDataParallel:
     """Wrap ``model`` in :class:`DistributedDataParallel` over the context's ``dp_sp`` group.
 
-    ``ctx.dp_sp`` holds the ranks sharing this rank's tp index: on 4 ranks with
+    ``ctx.dp_sp`` holds the ranks sharing every coordinate but dp, cp and sp (with
+    ``pp`` and ``tp``, the ranks of one stage and one tp index): on 4 ranks with
     ``sp=2`` all 4 average; with ``tp=2`` rank 1 averages with rank 3. The
     model is moved to ``ctx.device`` first.
 
