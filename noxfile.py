@@ -19,6 +19,8 @@ TORCH = shlex.split(os.environ.get("PDIST_TORCH", "torch==2.13.0"))
 # The floor of the declared range (pyproject.toml's torch>=2.6): CI runs the suite there too.
 FLOOR = ["torch==2.6.0"]
 EXAMPLES = sorted(p.stem for p in Path("examples").glob("*.py"))
+# Examples whose layout needs more than the default 2 ranks (pp x dp: 2 stages x 2).
+NPROC = {"pipeline_fsdp": 4}
 
 
 def _install(session: nox.Session, extras: str = "", torch: list[str] = TORCH) -> None:
@@ -78,14 +80,14 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def examples(session: nox.Session) -> None:
-    """Run the examples on 2 CPU ranks under torchrun (pass names to pick some)."""
+    """Run the examples on CPU ranks under torchrun, 2 unless NPROC says (pass names to pick)."""
     _install(session)
     names = session.posargs or EXAMPLES
     for name in names:
         session.run(
             "torchrun",
             "--nproc-per-node",
-            "2",
+            str(NPROC.get(name, 2)),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
