@@ -62,6 +62,15 @@ def _every_layout() -> list[dict]:
                 assert total == sum(group.ranks), name
                 assert pdist.all_gather_object(group, ctx.rank) == list(group.ranks), name
             out["axes"] = [(n, g.ranks) for n, g in ctx.axes.items()]
+            with pdist.patch_tp(ctx, ctx.world) as inner, pdist.patch_sp(inner, ctx.world) as both:
+                assert (both.tp, both.sp, both.pp, both.dp_sp) == (
+                    ctx.world,
+                    ctx.world,
+                    ctx.pp,
+                    ctx.dp_sp,
+                )
+                assert both.axes.get("tp", ctx.world) is ctx.world
+                assert list(both.axes) == list(ctx.axes)
             names = list(ctx.axes)
             pair = pdist.flatten(ctx, names[-1], names[0])
             out["flatten"] = pair.ranks, pair.name
