@@ -60,6 +60,7 @@ from ._training import DistributedDataParallel as DistributedDataParallel
 from ._training import grad_sync as grad_sync
 from ._training import sync_model_states as sync_model_states
 from ._training import wrap_ddp as wrap_ddp
+from ._uneven import all_to_all as all_to_all
 
 __version__ = "0.1.0"
 
@@ -77,6 +78,7 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce",
     "all_reduce_",
+    "all_to_all",
     "all_to_all_4d",
     "barrier",
     "broadcast",

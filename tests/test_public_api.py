@@ -36,6 +36,7 @@ PUBLIC = {
     "reduce_scatter",
     "broadcast",
     "broadcast_",
+    "all_to_all",
     "all_to_all_4d",
     "shard",
     "send",
