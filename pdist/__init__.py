@@ -32,6 +32,8 @@ from ._group import Group as Group
 from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
 from ._guard import world_comm_guard as world_comm_guard
 from ._guard import world_comm_timeout as world_comm_timeout
+from ._moe import moe_combine as moe_combine
+from ._moe import moe_dispatch as moe_dispatch
 from ._mq import message_queue as message_queue
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_object_list as broadcast_object_list
@@ -97,6 +99,8 @@ __all__ = [
     "is_local_rank0",
     "is_rank0",
     "message_queue",
+    "moe_combine",
+    "moe_dispatch",
     "new_group",
     "new_sp_group",
     "new_tp_group",

@@ -39,6 +39,8 @@ PUBLIC = {
     "all_to_all",
     "all_to_all_4d",
     "shard",
+    "moe_dispatch",
+    "moe_combine",
     "send",
     "recv",
     # objects
