@@ -101,7 +101,7 @@ def test_ulysses_attention_on_uneven_chunks_and_heads(ctx):
 
 @world_sizes(3)
 def test_ulysses_attention_mismatch_raises_on_every_rank(ctx):
-    """Different head counts or one rank's bad tensor raise on every rank, then the group goes on."""
+    """Different head counts or one rank's bad tensor raise on every rank; the group goes on."""
     sdpa = pdist.ulysses_attention(ctx, functional.scaled_dot_product_attention)
     heads = 4 if ctx.rank == 1 else 3
     x = torch.randn(1, heads, 2, 2)
@@ -110,7 +110,7 @@ def test_ulysses_attention_mismatch_raises_on_every_rank(ctx):
     y = torch.randn(1, 3, 2, 2)
     k = torch.randn(1, 2, 2, 2) if ctx.rank == 2 else y
     with pytest.raises(
-        ValueError, match="failed on rank 2: .*q has 3 heads, which its 2 k/v heads"
+        ValueError, match=r"failed on rank 2: .*q has 3 heads, which its 2 k/v heads"
     ):
         sdpa(y, k, k)
     pdist.barrier(ctx)
