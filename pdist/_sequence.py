@@ -105,6 +105,11 @@ def _check(
 
 def _plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) -> _Plan:
     """Exchange every rank's record once; raise on every rank if any failed or they differ."""
+    if torch.compiler.is_compiling():
+        # Nothing to exchange while tracing: a compiled call assumes every rank's chunk
+        # is as long as this one's (the even case; the heads may still be any number).
+        got = [list(_check(layout, dims, *qkv))] * g.world_size
+        return _plan_from(g, got)
     error: BaseException | None = None
     try:
         record = _check(layout, dims, *qkv)
@@ -121,6 +126,10 @@ def _plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) 
             f"size, v head size): {listed}"
         )
         raise RankMismatchError(msg)
+    return _plan_from(g, got)
+
+
+def _plan_from(g: Group, got: list[list[int]]) -> _Plan:
     hq, hkv = got[0][1], got[0][2]
     heads = _split(hq, g.world_size)
     firsts = [sum(heads[:j]) for j in range(g.world_size)]
@@ -207,7 +216,8 @@ def ulysses_attention(
        length may differ. Each call exchanges the chunk lengths once (a small
        all-to-all over the CPU group, which makes every rank raise when one
        passed bad tensors), then moves q, k, v in one all-to-all and the output
-       in another.
+       in another. A compiled call (``torch.compile``) exchanges nothing while
+       tracing and assumes every rank's chunk is as long as its own.
 
     Args:
         group: The sequence-parallel group (a context means its world).

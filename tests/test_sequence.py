@@ -137,3 +137,27 @@ def test_ulysses_attention_bad_layout(layout):
     """A layout that is not a permutation of 'bshd' is a ValueError naming it."""
     with pytest.raises(ValueError, match=rf"layout={layout!r} must name the 4 dims"):
         pdist.ulysses_attention(None, functional.scaled_dot_product_attention, layout=layout)
+
+
+@world_sizes(2)
+def test_ulysses_attention_compiles_on_even_chunks(ctx):
+    """Compiled (fullgraph=True) on equal chunks, with 3 heads and 1 k/v head, it equals eager."""
+    sdpa = pdist.ulysses_attention(ctx, functional.scaled_dot_product_attention)
+
+    def step(q, k, v):
+        return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+
+    gen = torch.Generator().manual_seed(ctx.rank)
+    q, k, v = (torch.randn(1, h, 4, 2, generator=gen) for h in (3, 1, 1))
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    try:
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+        compiled(*ours).square().sum().backward()
+        step(*theirs).square().sum().backward()
+        torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+    finally:
+        del compiled  # compiled code holds the process groups
+        torch._dynamo.reset()
