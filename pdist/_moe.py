@@ -19,7 +19,17 @@ import torch
 from ._group import DistContext, Group, as_group
 from ._uneven import exchange, rows
 
-__all__ = ["Routed", "moe_combine", "moe_dispatch"]
+__all__ = ["Counts", "Routed", "moe_combine", "moe_dispatch"]
+
+
+class Counts(tuple[int, ...]):
+    """Rows per local expert: a tuple of ints that also answers ``tolist()``, as a tensor would."""
+
+    __slots__ = ()
+
+    def tolist(self) -> list[int]:
+        """The counts as a list."""
+        return list(self)
 
 
 @attrs.frozen(kw_only=True)
@@ -28,11 +38,12 @@ class Routed:
 
     Attributes:
         tokens: ``[N, H]``, grouped by local expert (local expert 0's rows first).
-        counts: Rows per local expert, as ints (``tokens.split(counts)``).
+        counts: Rows per local expert, a tuple of ints (``tokens.split(counts)``;
+            ``counts.tolist()`` works too).
     """
 
     tokens: torch.Tensor
-    counts: tuple[int, ...]
+    counts: Counts
     group: Group = attrs.field(repr=False)
     order: torch.Tensor = attrs.field(repr=False)  # [T*K]: sorted position -> flat (t, k)
     regroup: torch.Tensor = attrs.field(repr=False)  # [N]: row -> received position
@@ -136,7 +147,7 @@ def moe_dispatch(
     sizes = torch.tensor(got, dtype=torch.int64, device=out.device).view(-1)  # source-major
     blocks = torch.arange(p * local, device=out.device).repeat_interleave(sizes)  # [N]
     regroup = torch.argsort((blocks % local) * p + blocks // local, stable=True)
-    counts = tuple(sum(got[j][e] for j in range(p)) for e in range(local))
+    counts = Counts(sum(got[j][e] for j in range(p)) for e in range(local))
     return Routed(
         tokens=out[regroup],
         counts=counts,

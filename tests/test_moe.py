@@ -41,7 +41,7 @@ def _reference(tokens, ids, weights, experts):
     return out
 
 
-@world_sizes(3)
+@world_sizes(1, 3)
 def test_moe_layer_matches_one_process(ctx):
     """Outputs and the gradients of tokens, router weights and every expert equal one process."""
     r, p = ctx.rank, ctx.world_size
@@ -85,6 +85,7 @@ def test_moe_layer_matches_one_process(ctx):
         [_rank_inputs(i)[0][(_rank_inputs(i)[1] == r * local).any(1)] for i in range(p)]
     )
     torch.testing.assert_close(routed.tokens[: routed.counts[0]], first)
+    assert routed.counts.tolist() == list(routed.counts)
     plain = pdist.moe_combine(routed, torch.cat(outs).detach())  # no weights: a plain sum
     assert plain.shape == (TOKENS[r], OUT)
 
