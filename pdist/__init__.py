@@ -32,6 +32,8 @@ from ._group import Group as Group
 from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
 from ._guard import world_comm_guard as world_comm_guard
 from ._guard import world_comm_timeout as world_comm_timeout
+from ._moe import moe_combine as moe_combine
+from ._moe import moe_dispatch as moe_dispatch
 from ._mq import message_queue as message_queue
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_object_list as broadcast_object_list
@@ -61,6 +63,7 @@ from ._training import DistributedDataParallel as DistributedDataParallel
 from ._training import grad_sync as grad_sync
 from ._training import sync_model_states as sync_model_states
 from ._training import wrap_ddp as wrap_ddp
+from ._uneven import all_to_all as all_to_all
 
 __version__ = "0.1.0"
 
@@ -78,6 +81,7 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce",
     "all_reduce_",
+    "all_to_all",
     "all_to_all_4d",
     "barrier",
     "broadcast",
@@ -97,6 +101,8 @@ __all__ = [
     "is_local_rank0",
     "is_rank0",
     "message_queue",
+    "moe_combine",
+    "moe_dispatch",
     "new_group",
     "new_sp_group",
     "new_tp_group",

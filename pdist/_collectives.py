@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import _launches
+from . import _launches, _uneven
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
@@ -311,17 +311,31 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
 
 
 def all_gather(
-    group: Group | DistContext, x: torch.Tensor, *, dim: int = -1, async_op: bool = False
+    group: Group | DistContext,
+    x: torch.Tensor,
+    *,
+    dim: int = -1,
+    sizes: list[int] | None = None,
+    async_op: bool = False,
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group order; every rank gets it.
 
     Differentiable (the gradient is reduce-scattered); ``async_op`` as in :func:`all_reduce`.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    ``sizes``: each rank's size along ``dim``, for uneven shards (one all-to-all of
+    rows; every rank passes the same list, and the caller vouches for the other ranks'
+    entries). None: equal sizes.
+
+    .. note:: All ranks of the group must call it with tensors of the same shape and dtype
+       (with ``sizes``, the same shape but along ``dim``).
 
     Returns:
-        ``x``'s shape with ``dim`` ``world_size`` times larger; on a one-rank group, ``x``.
+        ``x``'s shape with ``dim`` ``world_size`` times larger (``sum(sizes)``); on a
+        one-rank group, ``x``.
     """
+    if sizes is not None:
+        g = as_group(group)
+        return _uneven.all_gather_sizes(g, x, _norm_dim(_check_tensor(x), dim), sizes)
     return _collective("all_gather", group, x, dim, async_op=async_op)
 
 
@@ -349,6 +363,7 @@ def reduce_scatter(
     *,
     dim: int = -1,
     op: str = "sum",
+    sizes: list[int] | None = None,
     async_op: bool = False,
 ) -> torch.Tensor:
     """Reduce ``x`` over the group; rank ``r`` gets chunk ``r`` along ``dim``.
@@ -358,12 +373,20 @@ def reduce_scatter(
 
     .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
 
+    ``sizes``: each rank's share of ``dim``, for uneven shards (rank ``r`` gets
+    part ``r`` of ``x.split(sizes, dim)``; every rank passes the same list). None: equal.
+
     Returns:
-        Chunk ``r`` of ``x.chunk(world_size, dim)``, reduced; on a one-rank group, ``x``.
+        Chunk ``r`` of ``x.chunk(world_size, dim)`` (of ``x.split(sizes, dim)``), reduced;
+        on a one-rank group, ``x``.
 
     Raises:
-        ValueError: The group size does not divide ``x.shape[dim]``.
+        ValueError: The group size does not divide ``x.shape[dim]``, or ``sizes`` has
+            the wrong length or sum.
     """
+    if sizes is not None:
+        g, d = as_group(group), _norm_dim(_check_tensor(x), dim)
+        return _uneven.reduce_scatter_sizes(g, x, _check_op(x, op), d, sizes)
     return _collective("reduce_scatter", group, x, op, dim, async_op=async_op)
 
 

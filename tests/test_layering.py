@@ -49,6 +49,8 @@ LAYERS = {
             "_ranks",
             "_sequence",
             "_graph",
+            "_uneven",
+            "_moe",
         ],
         9,
     ),
@@ -66,6 +68,10 @@ FEATURE_EDGES = {
     ("_mq", "_topology"),  # a queue needs every rank on one host
     ("_sequence", "_collectives"),  # Ulysses attention is two all_to_all_4d
     ("_collectives", "_launches"),  # the runner and how each collective runs
+    ("_collectives", "_uneven"),  # all_gather / reduce_scatter with sizes= are all-to-alls
+    ("_uneven", "_launches"),  # an AsyncCollectiveTensor input is waited for as everywhere
+    ("_moe", "_uneven"),  # routing is two row all-to-alls and one counts exchange
+    ("_sequence", "_uneven"),  # uneven Ulysses: the sizes exchange and row all-to-alls
     ("_context", "_subgroups"),
     ("_context", "_topology"),
     ("_context", "_guard"),

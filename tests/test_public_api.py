@@ -37,8 +37,11 @@ PUBLIC = {
     "reduce_scatter",
     "broadcast",
     "broadcast_",
+    "all_to_all",
     "all_to_all_4d",
     "shard",
+    "moe_dispatch",
+    "moe_combine",
     "send",
     "recv",
     # objects

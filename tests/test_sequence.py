@@ -57,13 +57,69 @@ def test_ulysses_attention_matches_full_attention(ctx):
             torch.testing.assert_close(got.grad, ref.grad[mine], msg=layout)
 
 
+UNEVEN = [5, 4, 3]  # each rank's sequence chunk on 3 ranks
+
+
+def _uneven_case(ctx, heads, kv_heads, causal, layout="bhsd"):
+    """One rank's output and grads against its slice of full attention on chunks of 5, 4, 3."""
+    r, total, d = ctx.rank, sum(UNEVEN), 4
+    seq_dim = layout.index("s")
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+
+    def make(h):
+        shape = {"b": 2, "h": h, "s": total, "d": d}
+        return torch.randn(*(shape[c] for c in layout), generator=gen)
+
+    q, k, v, weight = make(heads), make(kv_heads), make(kv_heads), make(heads)
+    start = sum(UNEVEN[:r])
+    mine = [slice(None)] * 4
+    mine[seq_dim] = slice(start, start + UNEVEN[r])
+    mine = tuple(mine)
+    attention = _bshd_sdpa if layout == "bshd" else functional.scaled_dot_product_attention
+    kwargs = {"is_causal": causal, "enable_gqa": kv_heads != heads}
+
+    local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+    out = pdist.ulysses_attention(ctx, attention, layout=layout)(*local, **kwargs)
+    (out * weight[mine]).sum().backward()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = attention(*full, **kwargs)
+    (reference * weight).sum().backward()
+    what = f"heads={heads} kv={kv_heads} causal={causal} {layout}"
+    torch.testing.assert_close(out, reference[mine], msg=what)
+    for got, ref in zip(local, full, strict=True):
+        torch.testing.assert_close(got.grad, ref.grad[mine], msg=what)
+
+
+@world_sizes(3)
+def test_ulysses_attention_on_uneven_chunks_and_heads(ctx):
+    """Chunks of 5, 4, 3 tokens, 5 heads, GQA (also fewer k/v heads than ranks), causal or not."""
+    for heads, kv_heads in ((5, 5), (4, 2), (6, 2), (6, 1), (2, 2)):
+        for causal in (False, True):
+            _uneven_case(ctx, heads, kv_heads, causal)
+    _uneven_case(ctx, 5, 5, True, layout="bshd")
+
+
+@world_sizes(3)
+def test_ulysses_attention_mismatch_raises_on_every_rank(ctx):
+    """Different head counts or one rank's bad tensor raise on every rank; the group goes on."""
+    sdpa = pdist.ulysses_attention(ctx, functional.scaled_dot_product_attention)
+    heads = 4 if ctx.rank == 1 else 3
+    x = torch.randn(1, heads, 2, 2)
+    with pytest.raises(pdist.RankMismatchError, match=r"rank 1: \(4, 4, 1, 2, 2\)"):
+        sdpa(x, x, x)
+    y = torch.randn(1, 3, 2, 2)
+    k = torch.randn(1, 2, 2, 2) if ctx.rank == 2 else y
+    with pytest.raises(
+        ValueError, match=r"failed on rank 2: .*q has 3 heads, which its 2 k/v heads"
+    ):
+        sdpa(y, k, k)
+    pdist.barrier(ctx)
+
+
 @world_sizes(2)
 def test_ulysses_attention_bad_input_raises_before_any_exchange(ctx):
-    """Heads the group does not divide, non-4-D inputs and tuple outputs raise clearly."""
+    """Non-4-D inputs and tuple outputs raise clearly."""
     sdpa = pdist.ulysses_attention(ctx, functional.scaled_dot_product_attention)
-    odd = torch.randn(1, 3, 4, 2)
-    with pytest.raises(ValueError, match=r"q has 3 heads \(dim 1 of layout 'bhsd'\).* 2 ranks"):
-        sdpa(odd, odd, odd)
     with pytest.raises(ValueError, match=r"k must be a 4-D tensor in layout 'bhsd', got shape"):
         sdpa(torch.randn(1, 2, 4, 2), torch.randn(4, 2), torch.randn(1, 2, 4, 2))
 
@@ -81,3 +137,27 @@ def test_ulysses_attention_bad_layout(layout):
     """A layout that is not a permutation of 'bshd' is a ValueError naming it."""
     with pytest.raises(ValueError, match=rf"layout={layout!r} must name the 4 dims"):
         pdist.ulysses_attention(None, functional.scaled_dot_product_attention, layout=layout)
+
+
+@world_sizes(2)
+def test_ulysses_attention_compiles_on_even_chunks(ctx):
+    """Compiled (fullgraph=True) on equal chunks, with 3 heads and 1 k/v head, it equals eager."""
+    sdpa = pdist.ulysses_attention(ctx, functional.scaled_dot_product_attention)
+
+    def step(q, k, v):
+        return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+
+    gen = torch.Generator().manual_seed(ctx.rank)
+    q, k, v = (torch.randn(1, h, 4, 2, generator=gen) for h in (3, 1, 1))
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    try:
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+        compiled(*ours).square().sum().backward()
+        step(*theirs).square().sum().backward()
+        torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+    finally:
+        del compiled  # compiled code holds the process groups
+        torch._dynamo.reset()

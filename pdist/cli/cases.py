@@ -19,6 +19,7 @@ from pdist._compat import all_gather_into, funcol, reduce_scatter_into
 from pdist._wire import FIRST_MESSAGE_BYTES
 
 from .bench import Case, Fns, run_cases
+from .cases_experts import EXPERT_CASES
 
 __all__ = ["CASES", "bench_rank"]
 
@@ -303,6 +304,7 @@ CASES = [
     Case("send_object/recv_object 32 MiB + meta", 32 << 20, _object_send_big),
     Case("collate_batches 32 x [5000, 8]", 32 * 5000 * 8 * 4, _collate),
     Case("message_queue broadcast_object small dict", 32, _message_queue, 1000),
+    *EXPERT_CASES,
 ]
 
 

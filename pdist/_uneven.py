@@ -1,0 +1,256 @@
+"""Collectives with per-rank counts: ``all_to_all`` by rows, uneven gathers on it.
+
+One differentiable primitive, :class:`_AllToAll` (rows along dim 0, the
+gradient is the all-to-all with the counts swapped), runs eagerly straight on
+``dist.all_to_all_single`` and, while tracing, on torch's functional op. The
+uneven ``all_gather`` / ``reduce_scatter`` are compositions of it whose
+gradients autograd derives (a gather's is the scatter and back).
+
+:func:`exchange` is the one small collective that moves counts, and it carries
+failures: a rank whose arguments are bad sends a marker instead of counts, and
+every rank raises the same error (``_agree.spread``), so a caller's mistake on
+one rank never leaves the others waiting in the data exchange that follows.
+``_moe`` and ``_sequence`` ride their own checks on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from ._agree import raise_own, spread
+from ._compat import functional_ops
+from ._group import DistContext, Group, as_group
+from ._inflight import recorded
+from ._launches import local
+
+__all__ = ["all_gather_sizes", "all_to_all", "exchange", "reduce_scatter_sizes", "rows"]
+
+
+def exchange(
+    group: Group,
+    records: Sequence[Sequence[int]] | None,
+    error: BaseException | None,
+    *,
+    width: int,
+    what: str,
+) -> list[list[int]]:
+    """Send ``records[j]`` (``width`` ints) to group index ``j``; get what each rank sent here.
+
+    One ``all_to_all_single`` of int64 over the CPU group. A rank with an
+    ``error`` (``records`` None) sends a marker row instead: then every rank
+    raises that rank's error, the same everywhere. All ranks must pass records
+    of one width (or None with an error).
+    """
+    p = group.world_size
+    if error is not None or records is None:
+        # The marker: a status of -1, as wide as the others' records (the widths agree).
+        send = torch.full((p, width + 1), -1, dtype=torch.int64)
+    else:
+        send = torch.tensor([[0, *r] for r in records], dtype=torch.int64).view(p, width + 1)
+    if p == 1:
+        if error is not None:
+            raise_own(group, error, what, wrap_pdist=True)
+        return [list(r) for r in records] if records is not None else []
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group.cpu_group)
+    if bool((recv[:, 0] < 0).any()):
+        spread(group, error, what=what)  # every rank raises the first failing rank's error
+    return cast("list[list[int]]", recv[:, 1:].tolist())
+
+
+def _counts(group: Group, value: object, name: str) -> list[int]:
+    p = group.world_size
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(
+        type(n) is int or isinstance(n, torch.SymInt) for n in value
+    ):
+        msg = f"{name}={value!r} must be a list of {p} ints, one per rank of the group"
+        raise TypeError(msg)
+    if len(value) != p:
+        msg = (
+            f"{name} has {len(value)} entries on rank {group.rank}, but the group has {p} "
+            f"ranks; give one count per rank"
+        )
+        raise ValueError(msg)
+    if any(isinstance(n, int) and n < 0 for n in value):
+        msg = f"{name}={list(value)!r} on rank {group.rank} holds a negative count"
+        raise ValueError(msg)
+    return list(value)
+
+
+def _check_send(group: Group, x: object, send_counts: object) -> tuple[torch.Tensor, list[int]]:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        got = "a 0-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        msg = f"all_to_all: x must be a tensor with rows along dim 0, got {got}"
+        raise TypeError(msg)
+    p, n = group.world_size, x.shape[0]
+    if send_counts is None:
+        if n % p:
+            msg = (
+                f"all_to_all: x has {n} rows on rank {group.rank}, which the group size {p} "
+                "does not divide; pass send_counts for uneven rows"
+            )
+            raise ValueError(msg)
+        return x, [n // p] * p
+    counts = _counts(group, send_counts, "send_counts")
+    # Symbolic counts (while tracing) are the compiler's to check.
+    if all(isinstance(c, int) for c in [n, *counts]) and sum(counts) != n:
+        msg = (
+            f"send_counts={counts!r} sum to {sum(counts)} on rank {group.rank}, but x has "
+            f"{n} rows (x.shape[0]); the counts must cover every row"
+        )
+        raise ValueError(msg)
+    return x, counts
+
+
+def all_to_all(
+    group: Group | DistContext,
+    x: torch.Tensor,
+    send_counts: Sequence[int] | None = None,
+    recv_counts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Exchange rows: the first ``send_counts[j]`` rows after the earlier ranks' go to rank ``j``.
+
+    Rank ``i`` gets, in group order, the block of rows every rank sent it:
+    ``recv_counts[j]`` rows from rank ``j``. Differentiable (the gradient is the
+    all-to-all with the counts swapped); under ``torch.compile`` it traces to one
+    functional all-to-all and one wait, given both counts as Python ints.
+
+    .. note:: All ranks of the group must call it, with rows of one shape and dtype.
+
+    Args:
+        group: The group (a ``DistContext`` means its ``world``).
+        x: ``[N, ...]``; rows along dim 0.
+        send_counts: Rows for each rank, summing to ``N``. None: ``N / P`` each.
+        recv_counts: Rows from each rank. None: exchanged (one small all-to-all of
+            the counts over the CPU group; a rank whose ``send_counts`` are bad sends
+            a marker, so every rank raises). Given, pdist adds no exchange and the
+            caller vouches that they match the senders' counts.
+
+    Returns:
+        ``[sum(recv_counts), ...]``, a new tensor; on a one-rank group, ``x``.
+
+    Raises:
+        ValueError: ``recv_counts`` without ``send_counts``; counts of the wrong
+            length, negative, or not summing to ``x.shape[0]`` (on every rank when
+            the counts are exchanged).
+        TypeError: Counts that are not ints; ``recv_counts`` to be exchanged while
+            compiling (pass both).
+    """
+    g = as_group(group)
+    if recv_counts is not None and send_counts is None:
+        msg = (
+            "all_to_all: recv_counts without send_counts; pass send_counts too "
+            "(alone, the receive counts are exchanged)"
+        )
+        raise ValueError(msg)
+    if recv_counts is None and send_counts is not None:
+        if torch.compiler.is_compiling():
+            msg = "all_to_all: a compiled call needs both send_counts and recv_counts as ints"
+            raise TypeError(msg)
+        error: BaseException | None = None
+        try:
+            x, send = _check_send(g, x, send_counts)
+        except (TypeError, ValueError) as e:
+            error = e
+        got = exchange(g, None if error else [[c] for c in send], error, width=1, what="all_to_all")
+        recv = [r[0] for r in got]
+    else:
+        x, send = _check_send(g, x, send_counts)
+        recv = send if recv_counts is None else _counts(g, recv_counts, "recv_counts")
+    return rows(g, x, send, recv)
+
+
+def rows(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    """The all-to-all of checked counts (``_moe`` and ``_sequence`` call it directly)."""
+    if group.world_size == 1:
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return cast("torch.Tensor", _AllToAll.apply(group, x, send, recv))  # type: ignore[no-untyped-call]
+    return _forward(group, x, send, recv)
+
+
+def _forward(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        ops = functional_ops()
+        out = ops.all_to_all_single(x.contiguous(), recv, send, group.device_group.group_name)
+        return cast("torch.Tensor", ops.wait_tensor(out))
+    return _eager(group, local(x).detach(), send, recv, what="all_to_all")
+
+
+@recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
+def _eager(
+    group: Group, x: torch.Tensor, send: list[int], recv: list[int], *, what: str
+) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to ranks by counts; the gradient goes back with the counts swapped."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group: Group, x: torch.Tensor, send: list[int], recv: list[int]
+    ) -> torch.Tensor:
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return _forward(group, x, send, recv)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        return None, _forward(ctx.group, grad, ctx.recv, ctx.send), None, None
+
+
+def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> torch.Tensor:
+    """``all_gather`` of shards of ``sizes[r]`` along ``dim`` (normalized); differentiable."""
+    counts = _counts(group, sizes, "sizes")
+    mine = counts[group.rank_in_group]
+    if mine != x.shape[dim]:
+        msg = (
+            f"all_gather: sizes[{group.rank_in_group}]={mine} on rank {group.rank}, but x has "
+            f"size {x.shape[dim]} along dim {dim} (shape {tuple(x.shape)}); sizes[r] is rank "
+            "r's size along dim"
+        )
+        raise ValueError(msg)
+    if group.world_size == 1:
+        return x
+    p = group.world_size
+    moved = x.movedim(dim, 0)  # [n_r, ...]: the rows this rank sends every rank
+    send = moved.unsqueeze(0).expand(p, *moved.shape).flatten(0, 1)  # [P * n_r, ...]
+    out = rows(group, send, [mine] * p, counts)  # [sum(sizes), ...]
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_sizes(
+    group: Group, x: torch.Tensor, op: str, dim: int, sizes: object
+) -> torch.Tensor:
+    """``reduce_scatter`` into shards of ``sizes[r]`` along ``dim``; differentiable in sum/mean."""
+    counts = _counts(group, sizes, "sizes")
+    if sum(counts) != x.shape[dim]:
+        msg = (
+            f"reduce_scatter: sizes={counts!r} sum to {sum(counts)} on rank {group.rank}, but x "
+            f"has size {x.shape[dim]} along dim {dim} (shape {tuple(x.shape)})"
+        )
+        raise ValueError(msg)
+    if group.world_size == 1:
+        return x
+    p, mine = group.world_size, counts[group.rank_in_group]
+    moved = x.movedim(dim, 0)  # [sum(sizes), ...]: rank r's rows are block r
+    got = rows(group, moved.contiguous(), counts, [mine] * p)  # [P * n_me, ...], rank-major
+    stacked = got.view(p, mine, *got.shape[1:])
+    if op in ("sum", "mean"):
+        out = stacked.any(0) if stacked.dtype == torch.bool else stacked.sum(0, dtype=x.dtype)
+        out = out / p if op == "mean" else out
+    elif op == "max":
+        out = stacked.amax(0)
+    elif op == "min":
+        out = stacked.amin(0)
+    else:
+        out = stacked.prod(0)
+    return out.movedim(0, dim)

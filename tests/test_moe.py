@@ -1,0 +1,113 @@
+"""moe_dispatch / moe_combine: expert parallelism equals one process running every expert."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import pdist
+from pdist.testing import world_sizes
+
+E, K, H, OUT = 6, 2, 4, 3
+TOKENS = [5, 0, 7]  # rank 1 routes nothing
+
+
+def _rank_inputs(rank: int):
+    """Rank ``rank``'s tokens, top-K expert ids and router weights (computable anywhere)."""
+    gen = torch.Generator().manual_seed(rank)
+    t = TOKENS[rank]
+    tokens = torch.randn(t, H, generator=gen)
+    ids = torch.stack(
+        [torch.randperm(E, generator=gen)[:K] for _ in range(t)]
+        or [torch.zeros(0, K, dtype=torch.int64)]
+    ).view(t, K)
+    weights = torch.rand(t, K, generator=gen)
+    return tokens, ids, weights
+
+
+def _experts():
+    """One linear layer per expert, the same on every rank."""
+    return [torch.randn(H, OUT, generator=torch.Generator().manual_seed(100 + e)) for e in range(E)]
+
+
+def _reference(tokens, ids, weights, experts):
+    """Every token through its K experts, weighted, on one process."""
+    out = torch.zeros(tokens.shape[0], OUT)
+    for t in range(tokens.shape[0]):
+        for k in range(K):
+            out[t] += weights[t, k] * (tokens[t] @ experts[int(ids[t, k])])
+    return out
+
+
+@world_sizes(1, 3)
+def test_moe_layer_matches_one_process(ctx):
+    """Outputs and the gradients of tokens, router weights and every expert equal one process."""
+    r, p = ctx.rank, ctx.world_size
+    local = E // p
+    mine = [w.clone().requires_grad_() for w in _experts()[r * local : (r + 1) * local]]
+    tokens, ids, weights = (t.clone() for t in _rank_inputs(r))
+    tokens.requires_grad_()
+    weights.requires_grad_()
+
+    routed = pdist.moe_dispatch(ctx, tokens, ids, E)
+    assert len(routed.counts) == local
+    assert sum(routed.counts) == routed.tokens.shape[0]
+    outs = [rows @ w for rows, w in zip(routed.tokens.split(routed.counts), mine, strict=True)]
+    y = pdist.moe_combine(routed, torch.cat(outs), weights)
+    target = torch.randn(y.shape, generator=torch.Generator().manual_seed(50 + r))
+    (y * target).sum().backward()
+
+    experts = [w.clone().requires_grad_() for w in _experts()]
+    inputs = [
+        [t.clone().requires_grad_(t.is_floating_point()) for t in _rank_inputs(i)] for i in range(p)
+    ]
+    total = 0
+    for i, (tok, ide, wei) in enumerate(inputs):
+        ref = _reference(tok, ide, wei, experts)
+        if i == r:
+            torch.testing.assert_close(y, ref)
+        total = (
+            total
+            + (ref * torch.randn(ref.shape, generator=torch.Generator().manual_seed(50 + i))).sum()
+        )
+    total.backward()
+    for got, ref in ((tokens, inputs[r][0]), (weights, inputs[r][2])):
+        # No tokens: the loop above never touches the reference's, whose grad stays None.
+        torch.testing.assert_close(
+            got.grad, torch.zeros_like(ref) if ref.grad is None else ref.grad
+        )
+    for e, w in enumerate(mine):
+        torch.testing.assert_close(w.grad, experts[r * local + e].grad)
+    # Routed.tokens holds, per local expert, every rank's rows for it in rank and token order.
+    first = torch.cat(
+        [_rank_inputs(i)[0][(_rank_inputs(i)[1] == r * local).any(1)] for i in range(p)]
+    )
+    torch.testing.assert_close(routed.tokens[: routed.counts[0]], first)
+    assert routed.counts.tolist() == list(routed.counts)
+    plain = pdist.moe_combine(routed, torch.cat(outs).detach())  # no weights: a plain sum
+    assert plain.shape == (TOKENS[r], OUT)
+
+
+@world_sizes(3)
+def test_moe_bad_expert_id_raises_on_every_rank(ctx):
+    """An out-of-range id on one rank makes every rank raise the same error, then all go on."""
+    tokens, ids, _ = _rank_inputs(ctx.rank)
+    if ctx.rank == 2:
+        ids = ids.clone()
+        ids[3, 1] = 9
+    start = time.monotonic()
+    with pytest.raises(
+        ValueError, match=r"failed on rank 2: ValueError: expert_ids\[3, 1\] = 9 is out of range"
+    ):
+        pdist.moe_dispatch(ctx, tokens, ids, E)
+    assert time.monotonic() - start < 15
+    with pytest.raises(ValueError, match="num_experts=7 is not a multiple of the group size 3"):
+        pdist.moe_dispatch(ctx, tokens, ids, 7)
+    bad_dtype = ids.float() if ctx.rank == 0 else ids
+    with pytest.raises(
+        TypeError, match="failed on rank 0: TypeError: expert_ids must be an integer"
+    ):
+        pdist.moe_dispatch(ctx, tokens, bad_dtype, E)
+    pdist.barrier(ctx)

@@ -1,0 +1,140 @@
+"""all_to_all with counts and uneven all_gather / reduce_scatter, against one-process references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdist
+from pdist.testing import world_sizes
+
+# COUNTS[i][j]: rows rank i sends rank j (3 ranks; rank 1 sends nothing, rank 2 gets nothing).
+COUNTS = [[2, 1, 0], [0, 0, 0], [3, 4, 0]]
+
+
+def _rows(rank: int, n: int, width: int = 5) -> torch.Tensor:
+    """Rank ``rank``'s input: ``n`` rows whose values say where they came from."""
+    return torch.arange(n * width, dtype=torch.float32).view(n, width) + 100 * rank
+
+
+def _reference(p: int, counts, me: int) -> torch.Tensor:
+    """What rank ``me`` receives: every rank's block for ``me``, in rank order."""
+    blocks = []
+    for i in range(p):
+        start = sum(counts[i][:me])
+        blocks.append(_rows(i, sum(counts[i]))[start : start + counts[i][me]])
+    return torch.cat(blocks)
+
+
+@world_sizes(3)
+def test_all_to_all_uneven_and_zero_counts(ctx):
+    """Rows reach their ranks with counts given or exchanged; the gradient comes back."""
+    r, p = ctx.rank, ctx.world_size
+    send, recv = COUNTS[r], [COUNTS[i][r] for i in range(p)]
+    expected = _reference(p, COUNTS, r)
+    for given in (None, recv):
+        x = _rows(r, sum(send)).requires_grad_()
+        out = pdist.all_to_all(ctx, x, send, given)
+        torch.testing.assert_close(out, expected)
+        weight = torch.arange(out.numel(), dtype=torch.float32).view_as(out) + r
+        (out * weight).sum().backward()
+        # The gradient of my row is the weight its receiver applied to it.
+        ref = []
+        for j in range(p):
+            w_j = torch.arange(sum(COUNTS[i][j] for i in range(p)) * 5.0).view(-1, 5) + j
+            start = sum(COUNTS[i][j] for i in range(r))
+            ref.append(w_j[start : start + send[j]])
+        torch.testing.assert_close(x.grad, torch.cat(ref))
+    even = pdist.all_to_all(ctx, _rows(r, 6))  # no counts: N / P rows each
+    torch.testing.assert_close(even, _reference(p, [[2, 2, 2]] * p, r))
+
+
+@world_sizes(3)
+def test_all_to_all_bad_counts_raise_on_every_rank(ctx):
+    """Exchanged counts that are wrong on one rank raise on all; local mistakes raise at once."""
+    r = ctx.rank
+    x = _rows(r, 3)
+    bad = [1, 1, 2] if r == 1 else [1, 1, 1]  # sums to 4 on rank 1, which has 3 rows
+    with pytest.raises(
+        ValueError, match=r"failed on rank 1: ValueError: send_counts=\[1, 1, 2\] sum to 4"
+    ):
+        pdist.all_to_all(ctx, x, bad)
+    wrong_length = [3] if r == 2 else [1, 1, 1]
+    with pytest.raises(
+        ValueError, match=r"send_counts has 1 entries on rank 2, but the group has 3"
+    ):
+        pdist.all_to_all(ctx, x, wrong_length)
+    with pytest.raises(ValueError, match="recv_counts without send_counts"):
+        pdist.all_to_all(ctx, x, None, [1, 1, 1])
+    with pytest.raises(ValueError, match=r"x has 4 rows on rank .*does not divide"):
+        pdist.all_to_all(ctx, _rows(r, 4))
+    with pytest.raises(TypeError, match="must be a list of 3 ints"):
+        pdist.all_to_all(ctx, x, [1.0, 1, 1], [1, 1, 1])
+    pdist.barrier(ctx)
+    out = pdist.all_to_all(ctx, x, [1, 1, 1])  # the group still works
+    assert out.shape == (3, 5)
+
+
+@world_sizes(2, 3)
+def test_uneven_all_gather_and_reduce_scatter(ctx):
+    """Shards of different sizes gather and scatter along dim 0 and -1, gradients included."""
+    r, p = ctx.rank, ctx.world_size
+    sizes = [3, 0, 2][:p] if p == 3 else [3, 1]
+    for dim in (0, -1):
+        shards = [
+            torch.randn(4, 2, sizes[i], generator=torch.Generator().manual_seed(i)).movedim(-1, dim)
+            for i in range(p)
+        ]
+        x = shards[r].clone().requires_grad_()
+        out = pdist.all_gather(ctx, x, dim=dim, sizes=sizes)
+        full = torch.cat(shards, dim=dim)
+        torch.testing.assert_close(out, full)
+        (out * (full + 1)).sum().backward()  # every rank's loss: the total gradient is P times
+        torch.testing.assert_close(x.grad, p * (shards[r] + 1))
+
+        inputs = [
+            torch.randn(full.shape, generator=torch.Generator().manual_seed(10 + i))
+            for i in range(p)
+        ]
+        y = inputs[r].clone().requires_grad_()
+        got = pdist.reduce_scatter(ctx, y, dim=dim, sizes=sizes)
+        total = torch.stack(inputs).sum(0)
+        torch.testing.assert_close(got, total.split(sizes, dim=dim)[r])
+        weights = [
+            torch.full(s.shape, float(i + 1)) for i, s in enumerate(total.split(sizes, dim=dim))
+        ]
+        (got * weights[r]).sum().backward()
+        torch.testing.assert_close(y.grad, torch.cat(weights, dim=dim))
+        mean = pdist.reduce_scatter(ctx, inputs[r], dim=dim, op="mean", sizes=sizes)
+        torch.testing.assert_close(mean, total.split(sizes, dim=dim)[r] / p)
+    with pytest.raises(ValueError, match=r"sizes=\[1, 1.*\] sum to"):
+        pdist.reduce_scatter(ctx, torch.ones(5, 2), dim=0, sizes=[1] * p)
+    with pytest.raises(ValueError, match="sizes has 1 entries"):
+        pdist.all_gather(ctx, torch.ones(5, 2), dim=0, sizes=[5])
+
+
+@world_sizes(3)
+def test_all_to_all_compiles_without_graph_breaks(ctx):
+    """Given both counts as ints, all_to_all and uneven gathers compile under fullgraph=True."""
+    r, p = ctx.rank, ctx.world_size
+    send, recv = COUNTS[r], [COUNTS[i][r] for i in range(p)]
+    sizes = [2, 0, 3]
+
+    def step(x, y):
+        out = pdist.all_to_all(ctx, x * 2, send, recv)
+        g = pdist.all_gather(ctx, y, dim=0, sizes=sizes)
+        return out.sum() + pdist.reduce_scatter(ctx, g, dim=0, sizes=sizes).square().sum()
+
+    x, y = _rows(r, sum(send)), torch.randn(sizes[r], 3)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    try:
+        xa, ya = x.clone().requires_grad_(), y.clone().requires_grad_()
+        xb, yb = x.clone().requires_grad_(), y.clone().requires_grad_()
+        compiled(xa, ya).backward()
+        step(xb, yb).backward()
+        torch.testing.assert_close(xa.grad, xb.grad)
+        torch.testing.assert_close(ya.grad, yb.grad)
+        torch.testing.assert_close(compiled(x, y), step(x, y))
+    finally:
+        del compiled  # compiled code holds the process groups
+        torch._dynamo.reset()
