@@ -8,13 +8,14 @@ wanted, then run the traced form or the eager launch (``_launches``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
-from . import _launches
+from . import _check, _departures, _launches
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
@@ -193,6 +194,40 @@ def _forward(
     return _eager(g, _launches.local(x), spec.launch, args, async_op, what=name)
 
 
+# The argument names of each spec's normalized args, for check mode's summary.
+_ARG_NAMES = {
+    "all_reduce": ("op",),
+    "all_gather": ("dim",),
+    "reduce_scatter": ("op", "dim"),
+    "all_to_all_4d": ("scatter_dim", "gather_dim"),
+}
+_MISMATCH = ("mismatch", "does not match", "doesn't match")  # gloo's, nccl's words
+
+
+@contextlib.contextmanager
+def _explaining(g: Group, what: str) -> Iterator[None]:
+    """Turn the backend's failure of ``what`` into one that names its cause where pdist can.
+
+    A peer that left its block is named (``_departures``); a size mismatch the backend
+    noticed gets check mode's hint.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        better = _departures.explained(g, what, exc)
+        text = str(exc).lower()
+        if better is None and not isinstance(exc, PdistError) and any(m in text for m in _MISMATCH):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            msg = (
+                f"{what} on group {g.name!r} (rank {g.rank}): the ranks' tensors do not match "
+                f"({first}); {_check.HINT}"
+            )
+            better = PdistError(msg)
+        if better is None:
+            raise
+        raise better from exc
+
+
 @recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
 def _eager(
     g: Group,
@@ -203,7 +238,8 @@ def _eager(
     *,
     what: str,
 ) -> torch.Tensor:
-    return _launches.result(launch(g, x, *args), async_op)
+    with _explaining(g, what):
+        return _launches.result(launch(g, x, *args), async_op)
 
 
 def _collective(
@@ -216,6 +252,8 @@ def _collective(
         raise TypeError(msg)
     if g.world_size == 1:
         return x
+    if spec.launch is not None:
+        _check.agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
         return _closed(g, x, spec.shape(g, x, *args))
     if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
@@ -307,6 +345,7 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
     g = as_group(group)
     _check_op(_check_tensor(x), op)
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
+    _check.agree_call(g, "all_reduce_", x, op=op)
     return _in_place(g, x, _launches.all_reduce_into, _launches.traced_all_reduce, op)
 
 
@@ -337,9 +376,11 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     _check_tensor(x)
     if g.world_size == 1:
         return [x]
+    _check.agree_call(g, "all_gather_tensor", x)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks]
-    dist.all_gather(outs, x, group=g.device_group)
+    with _explaining(g, "all_gather_tensor"):
+        dist.all_gather(outs, x, group=g.device_group)
     return outs
 
 
@@ -383,9 +424,11 @@ def gather(
     d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
+    _check.agree_call(g, "gather", x, dst=dst, dim=d)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
-    dist.gather(x, outs, dst=dst_global, group=g.device_group)
+    with _explaining(g, "gather"):
+        dist.gather(x, outs, dst=dst_global, group=g.device_group)
     return None if outs is None else torch.cat(outs, dim=d)
 
 
@@ -406,8 +449,10 @@ def reduce(
     dst_global = g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
+    _check.agree_call(g, "reduce", x, dst=dst, op=op)
     out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
-    dist.reduce(out, dst=dst_global, group=g.device_group)
+    with _explaining(g, "reduce"):
+        dist.reduce(out, dst=dst_global, group=g.device_group)
     if g.rank_in_group != dst:
         return None
     return out.div_(g.world_size) if op == "mean" else out
@@ -427,6 +472,7 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
     if g.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
         raise ValueError(msg)
+    _check.agree_call(g, "broadcast", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 
@@ -442,6 +488,7 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
     _check_tensor(x)
     g.global_rank(src)
     _refuse_grad(g, x, "broadcast_", "broadcast")
+    _check.agree_call(g, "broadcast_", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 

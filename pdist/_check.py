@@ -1,0 +1,53 @@
+"""Check mode: a tensor collective first agrees on its arguments across the group.
+
+A collective whose ranks pass different shapes or dtypes does not always fail: on
+gloo, one rank may abort ("16 vs 12") while another returns a tensor with a
+zero-filled hole and carries on. With check mode on (``distributed(check=True)`` or
+``PDIST_CHECK=1``, kept in the block's :class:`~pdist._group.Lifetime`) every
+pdist tensor collective first compares a one-line summary of its call (op, shape,
+dtype, dim, counts) through one small all-reduce on the CPU group
+(:func:`pdist._agree.check_same`: the summaries themselves travel only when they
+differ), and a difference raises the same :class:`~pdist.RankMismatchError` on every
+rank, naming the ranks and what each passed. The price is that round trip per call
+(``pdist bench``'s "check mode" case), which is why it is off by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._agree import check_same
+from ._group import Group
+
+__all__ = ["HINT", "agree_call", "enabled"]
+
+HINT = (
+    "turn on check mode (pdist.distributed(check=True) or PDIST_CHECK=1) and every rank "
+    "raises a RankMismatchError naming each rank's shapes and dtypes"
+)
+
+
+def enabled(group: Group) -> bool:
+    """Whether ``group``'s block runs in check mode (a group without a block: no)."""
+    return bool(getattr(group.lifetime, "check", False))
+
+
+def _describe(x: torch.Tensor) -> str:
+    dtype = str(x.dtype).replace("torch.", "")
+    return f"shape {tuple(x.shape)} {dtype} on {x.device.type}"
+
+
+def agree_call(group: Group, name: str, x: torch.Tensor, /, **fields: object) -> None:
+    """In check mode, raise on every rank unless all passed alike ``name``, ``x`` and ``fields``.
+
+    Every rank of ``group`` must call it (it is one collective when check mode is on,
+    none when off). ``fields`` are the other arguments that must agree (``dim``,
+    ``op``, ``src``, counts). Nothing happens on a one-rank group or while tracing.
+
+    Raises:
+        RankMismatchError: On every rank, when any rank's summary differs.
+    """
+    if group.world_size == 1 or not enabled(group) or torch.compiler.is_compiling():
+        return
+    summary = ", ".join([f"{name}: {_describe(x)}", *(f"{k}={v!r}" for k, v in fields.items())])
+    check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
