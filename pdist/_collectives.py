@@ -228,6 +228,12 @@ def _explaining(g: Group, what: str) -> Iterator[None]:
         raise better from exc
 
 
+def _agree_call(g: Group, name: str, x: torch.Tensor, /, **fields: object) -> None:
+    """Check mode's agreement (``_check``); a peer gone meanwhile is named as in a collective."""
+    with _explaining(g, name):
+        _check.agree_call(g, name, x, **fields)
+
+
 @recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
 def _eager(
     g: Group,
@@ -253,7 +259,7 @@ def _collective(
     if g.world_size == 1:
         return x
     if spec.launch is not None:
-        _check.agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
+        _agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
         return _closed(g, x, spec.shape(g, x, *args))
     if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
@@ -345,7 +351,7 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
     g = as_group(group)
     _check_op(_check_tensor(x), op)
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
-    _check.agree_call(g, "all_reduce_", x, op=op)
+    _agree_call(g, "all_reduce_", x, op=op)
     return _in_place(g, x, _launches.all_reduce_into, _launches.traced_all_reduce, op)
 
 
@@ -376,7 +382,7 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     _check_tensor(x)
     if g.world_size == 1:
         return [x]
-    _check.agree_call(g, "all_gather_tensor", x)
+    _agree_call(g, "all_gather_tensor", x)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks]
     with _explaining(g, "all_gather_tensor"):
@@ -424,7 +430,7 @@ def gather(
     d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
-    _check.agree_call(g, "gather", x, dst=dst, dim=d)
+    _agree_call(g, "gather", x, dst=dst, dim=d)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
     with _explaining(g, "gather"):
@@ -449,7 +455,7 @@ def reduce(
     dst_global = g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
-    _check.agree_call(g, "reduce", x, dst=dst, op=op)
+    _agree_call(g, "reduce", x, dst=dst, op=op)
     out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
     with _explaining(g, "reduce"):
         dist.reduce(out, dst=dst_global, group=g.device_group)
@@ -472,7 +478,7 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
     if g.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
         raise ValueError(msg)
-    _check.agree_call(g, "broadcast", x, src=src)
+    _agree_call(g, "broadcast", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 
@@ -488,7 +494,7 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
     _check_tensor(x)
     g.global_rank(src)
     _refuse_grad(g, x, "broadcast_", "broadcast")
-    _check.agree_call(g, "broadcast_", x, src=src)
+    _agree_call(g, "broadcast_", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 

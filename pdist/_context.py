@@ -320,7 +320,11 @@ def distributed(
     too long. An initialized default group is adopted and left alone. On exit it
     destroys exactly the groups it created (no collective) and restores the device,
     CPU affinity, L2 fetch granularity and environment it changed. Single-use;
-    blocks may follow each other in one job.
+    blocks may follow each other in one job. A rank leaving the block through an
+    exception (``sys.exit`` included) first records a one-line summary of it in the
+    rendezvous store, so that the ranks it leaves waiting in a collective name it
+    (a :class:`~pdist.PdistError` from a pdist collective; a line on stderr when their
+    own exception leaves the block).
 
     .. note:: Every rank of the job must enter it.
 

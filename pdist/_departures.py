@@ -89,12 +89,15 @@ def summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}{_user_frame(exc)}"
 
 
-def record(lifetime: Lifetime, rank: int, exc: BaseException) -> None:
-    """Record that ``rank`` leaves its block through ``exc`` (best effort, bounded)."""
+def record(lifetime: Lifetime, rank: int, exc: BaseException, *, echo: bool = False) -> None:
+    """Record that ``rank`` leaves its block through ``exc`` (best effort, bounded).
+
+    ``echo``: the failure followed a peer's departure (a reader names the peer first).
+    """
     if lifetime.exit_records is None:
         return
     store, prefix = lifetime.exit_records
-    kind = _ECHO if isinstance(exc, PeerLeftError) else _PRIMARY
+    kind = _ECHO if echo or isinstance(exc, PeerLeftError) else _PRIMARY
     line = f"{kind}rank {rank} left the job: {summary(exc)}"
 
     def write() -> None:
@@ -148,16 +151,19 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
 
 
 def left_block(lifetime: Lifetime, rank: int, world_size: int, exc: BaseException) -> None:
-    """At the block's exit through ``exc``: record it, and print which peers left before."""
+    """At the block's exit through ``exc``: print which peers left before, and record it."""
     if lifetime.exit_records is None or world_size == 1:
         return
-    record(lifetime, rank, exc)
-    if isinstance(exc, PeerLeftError) or not isinstance(exc, RuntimeError):
-        return  # already named, or this rank's own failure
-    try:
-        lines = _read(lifetime, tuple(r for r in range(world_size) if r != rank))
-    except _StoreGoneError:
-        lines = ["the rendezvous store does not answer: its host (rank 0) has most likely exited"]
-    if lines:
-        own = f"this rank's {type(exc).__name__} followed"
-        print(f"pdist (rank {rank}): " + "; ".join([*lines, own]), file=sys.stderr, flush=True)
+    lines: list[str] = []
+    if isinstance(exc, RuntimeError) and not isinstance(exc, PeerLeftError):
+        # Perhaps a collective pdist does not run (DDP, a raw dist.all_reduce) failed.
+        try:
+            lines = _read(lifetime, tuple(r for r in range(world_size) if r != rank))
+        except _StoreGoneError:
+            lines = [
+                "the rendezvous store does not answer: its host (rank 0) has most likely exited"
+            ]
+        if lines:
+            own = f"this rank's {type(exc).__name__} followed"
+            print(f"pdist (rank {rank}): " + "; ".join([*lines, own]), file=sys.stderr, flush=True)
+    record(lifetime, rank, exc, echo=bool(lines))
