@@ -324,7 +324,8 @@ def all_reduce(
 ) -> torch.Tensor:
     """Reduce ``x`` over the group, out of place; every rank gets the result.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Args:
         group: The group (a ``DistContext`` means its ``world``).
@@ -343,7 +344,8 @@ def all_reduce(
 def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum") -> torch.Tensor:
     """Reduce ``x`` over the group in place (``op`` as in :func:`all_reduce`); returns ``x``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` requires grad while gradients are enabled (use :func:`all_reduce`).
@@ -362,7 +364,8 @@ def all_gather(
 
     Differentiable (the gradient is reduce-scattered); ``async_op`` as in :func:`all_reduce`.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         ``x``'s shape with ``dim`` ``world_size`` times larger; on a one-rank group, ``x``.
@@ -373,7 +376,8 @@ def all_gather(
 def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``x`` as a list in group order (not differentiable).
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         A *list*, one tensor per rank (:func:`all_gather` returns their concatenation).
@@ -403,7 +407,8 @@ def reduce_scatter(
     The inverse of :func:`all_gather`; ``op`` and ``async_op`` as in :func:`all_reduce`
     (``"sum"`` and ``"mean"`` are differentiable).
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         Chunk ``r`` of ``x.chunk(world_size, dim)``, reduced; on a one-rank group, ``x``.
@@ -419,7 +424,8 @@ def gather(
 ) -> torch.Tensor | None:
     """Concatenate every rank's ``x`` along ``dim`` on group index ``dst``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         The concatenation on ``dst``, None on the other ranks.
@@ -445,7 +451,8 @@ def reduce(
 
     Mind the default: ``"mean"`` here, while :func:`all_reduce` and torch's ``reduce`` sum.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         The reduction on ``dst``, None on the other ranks.
@@ -467,7 +474,8 @@ def reduce(
 def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Fill every rank's ``x`` with group index ``src``'s, in place; returns ``x``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` is not contiguous (:func:`broadcast_` takes any layout).
@@ -485,7 +493,8 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
 def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> torch.Tensor:
     """Fill every rank's ``x`` with group index ``src``'s, in place (any layout); returns ``x``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` requires grad while gradients are enabled.
@@ -512,7 +521,8 @@ def all_to_all_4d(
     ``[B, S/P, H, D] -> [B, S, H/P, D]`` with the defaults, ``scatter_dim=1,
     gather_dim=2`` the way back. Differentiable; ``async_op`` as in :func:`all_reduce`.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` is not 4-D, the dims are out of range or equal, or
@@ -539,7 +549,8 @@ def shard(
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
-    .. note:: The destination must call :func:`recv` with the same shape and
+    Note:
+        The destination must call :func:`recv` with the same shape and
         dtype. If that ``recv`` fails its checks, this call waits for the group
         timeout (the object functions carry a failure to the peer).
     """
@@ -560,7 +571,8 @@ def recv(
 
     ``shape`` is a tensor shape or an int size, as ``torch.empty`` takes.
 
-    .. note:: The source must call :func:`send` with a tensor of this shape and
+    Note:
+        The source must call :func:`send` with a tensor of this shape and
         dtype. If this call fails its checks, the ``send`` waits for the group
         timeout (the object functions carry a failure to the peer).
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from . import _compat, _departures, _env, _stall, _subgroups, _topology
 from ._compat import HashStore, PrefixStore, Store, TCPStore
+from ._env import DEFAULT_ON_STALL
 from ._errors import PdistError
 from ._group import DistContext, Lifetime
 from ._guard import Deadline, probe_world
@@ -302,7 +303,7 @@ def distributed(
     startup_timeout: float | timedelta | None = None,
     l2_fetch_granularity: int | None = None,
     stall_timeout: float | timedelta | None = None,
-    on_stall: str = _env.DEFAULT_ON_STALL,
+    on_stall: str = DEFAULT_ON_STALL,
     check: bool = False,
     store: Store | None = None,
     rank: int | None = None,
@@ -326,7 +327,8 @@ def distributed(
     (a :class:`~pdist.PdistError` from a pdist collective; a line on stderr when their
     own exception leaves the block).
 
-    .. note:: Every rank of the job must enter it.
+    Note:
+        Every rank of the job must enter it.
 
     Args:
         tp: Tensor-parallel size (adjacent ranks).

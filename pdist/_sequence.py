@@ -40,8 +40,9 @@ def ulysses_attention(
         sdpa = pdist.ulysses_attention(ctx.sp, F.scaled_dot_product_attention)
         out = sdpa(q, k, v, is_causal=True)  # [B, H, S/2, D]
 
-    .. note:: All ranks of the group must call the returned function, with
-       tensors of the same shapes and dtype.
+    Note:
+        All ranks of the group must call the returned function, with
+        tensors of the same shapes and dtype.
 
     Args:
         group: The sequence-parallel group (a context means its world).

@@ -239,8 +239,9 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
     For a second model with another TP degree (use it with :func:`patch_tp`). Asking
     twice for one size reuses the communicators; they live until the block exits.
 
-    .. note:: Every rank of the world must call it, in the same order as other
-       group creations.
+    Note:
+        Every rank of the world must call it, in the same order as other
+        group creations.
 
     Returns:
         The group holding the caller (ranks ``size * (rank // size)`` onwards).
@@ -308,8 +309,9 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
     disjoint and increasing (torch orders a group's members by global rank), and may
     leave ranks out.
 
-    .. note:: Every rank of the world must call it with the same lists, in the
-       same order as other group creations.
+    Note:
+        Every rank of the world must call it with the same lists, in the
+        same order as other group creations.
 
     Example::
 
