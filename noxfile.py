@@ -17,7 +17,8 @@ nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 # PDIST_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH = shlex.split(os.environ.get("PDIST_TORCH", "torch==2.13.0"))
 # The floor of the declared range (pyproject.toml's torch>=2.6): CI runs the suite there too.
-FLOOR = ["torch==2.6.0"]
+# PDIST_TORCH_FLOOR replaces its pip arguments as PDIST_TORCH does TORCH's (a CPU index, a wheel).
+FLOOR = shlex.split(os.environ.get("PDIST_TORCH_FLOOR", "torch==2.6.0"))
 EXAMPLES = sorted(p.stem for p in Path("examples").glob("*.py"))
 
 
@@ -42,7 +43,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def floor(session: nox.Session) -> None:
-    """Run the test suite on the oldest torch pdist supports (2.6.0; a CUDA build from PyPI)."""
+    """Run the test suite on the oldest torch pdist supports (2.6.0; or PDIST_TORCH_FLOOR's)."""
     _install(session, "test,docs", torch=FLOOR)
     session.run("pytest", *session.posargs)
 
