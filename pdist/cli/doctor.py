@@ -157,7 +157,6 @@ def doctor_rank() -> dict[str, Any]:
             "subgroup_timeout": ctx.tp.timeout.total_seconds(),
             "guard_timeout": pdist.world_comm_timeout(),
             "stall_timeout": stall_settings(None)[0],
-            "check": bool(ctx.world.lifetime.check),
             "ranks": pdist.all_gather_object(ctx, {"me": me, "results": results}),
         }
 
@@ -201,7 +200,7 @@ def render(report: dict[str, Any]) -> tuple[str, int]:
         f" (PDIST_TIMEOUT_SEC={_var('PDIST_TIMEOUT_SEC')}, "
         f"PDIST_WORLD_COMM_TIMEOUT_SEC={_var('PDIST_WORLD_COMM_TIMEOUT_SEC')}, "
         f"PDIST_STALL_TIMEOUT_SEC={_var('PDIST_STALL_TIMEOUT_SEC')})",
-        f"check mode: {'on' if report.get('check', env_flag('PDIST_CHECK', False)) else 'off'}"
+        f"check mode: {'on' if env_flag('PDIST_CHECK', False) else 'off'} by default"
         f" (PDIST_CHECK={_var('PDIST_CHECK')}; distributed(check=True) turns it on)",
         f"{'rank':>4}  {'host':<20} {'node ranks':<14} {'device':<8} {'gpu':<24} cpus",
     ]
