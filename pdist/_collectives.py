@@ -520,6 +520,9 @@ def all_to_all_4d(
     Splits ``scatter_dim`` among the ranks and concatenates along ``gather_dim``:
     ``[B, S/P, H, D] -> [B, S, H/P, D]`` with the defaults, ``scatter_dim=1,
     gather_dim=2`` the way back. Differentiable; ``async_op`` as in :func:`all_reduce`.
+    The defaults assume ``[B, S, H, D]`` (flash-attn), while
+    :func:`ulysses_attention` defaults to SDPA's ``"bhsd"``: for ``[B, H, S, D]`` pass
+    ``scatter_dim=1, gather_dim=2``.
 
     Note:
         All ranks of the group must call it with tensors of the same shape and dtype.

@@ -48,7 +48,8 @@ def ulysses_attention(
         group: The sequence-parallel group (a context means its world).
         attention: ``attention(q, k, v, *args, **kwargs) -> out``, all in ``layout``.
         layout: The dims of q, k, v and the output: ``"bhsd"`` (SDPA, the
-            default), ``"bshd"`` (flash-attn), ``"sbhd"``...
+            default), ``"bshd"`` (flash-attn), ``"sbhd"``... Mind that
+            :func:`all_to_all_4d`'s defaults assume ``"bshd"`` instead.
 
     Returns:
         ``wrapped(q, k, v, *args, **kwargs)``, same signature as ``attention``.
