@@ -21,10 +21,11 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TypeVar
 
 from . import _compat
-from ._compat import Store
+from ._compat import Store, TCPStore
 from ._errors import PdistError
 from ._group import Group, Lifetime
 
@@ -33,6 +34,7 @@ __all__ = ["PeerLeftError", "explained", "left_block", "record"]
 T = TypeVar("T")
 
 _WAIT = 5.0  # seconds any store access may take before the store counts as gone
+_STORE_TIMEOUT = 2.0  # seconds a connection to it tries (the store's host answers in ms)
 _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's departure
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
@@ -41,7 +43,14 @@ _PACKAGES = tuple(
 
 
 class PeerLeftError(PdistError):
-    """A collective failed because a peer left its block; the message names the peer."""
+    """A collective failed because a peer left its block; the message names the peer.
+
+    ``store_gone``: the store did not answer either (nothing to name, nowhere to record).
+    """
+
+    def __init__(self, message: str, *, store_gone: bool = False) -> None:
+        super().__init__(message)
+        self.store_gone = store_gone
 
 
 class _StoreGoneError(Exception):
@@ -68,6 +77,12 @@ def _bounded(fn: Callable[[], T]) -> T:
 
 
 def _connection(store: Store) -> Store:
+    """A connection of its own, whose connect and reads give up within :data:`_STORE_TIMEOUT`."""
+    if isinstance(store, TCPStore):  # a client that does not retry a gone server for 30 min
+        timeout = timedelta(seconds=_STORE_TIMEOUT)
+        return TCPStore(
+            store.host, store.port, is_master=False, wait_for_workers=False, timeout=timeout
+        )
     return _compat.store_connection(store) or store
 
 
@@ -144,7 +159,7 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
             "either, so pdist cannot tell which rank left: the store's host (rank 0, or the "
             "launcher's agent) has most likely exited; look at its output first"
         )
-        return PeerLeftError(msg)
+        return PeerLeftError(msg, store_gone=True)
     if not lines:
         return None
     return PeerLeftError("; ".join([*lines, where]))
@@ -154,16 +169,19 @@ def left_block(lifetime: Lifetime, rank: int, world_size: int, exc: BaseExceptio
     """At the block's exit through ``exc``: print which peers left before, and record it."""
     if lifetime.exit_records is None or world_size == 1:
         return
+    if isinstance(exc, PeerLeftError) and exc.store_gone:
+        return  # nowhere to record it
     lines: list[str] = []
+    gone = False
     if isinstance(exc, RuntimeError) and not isinstance(exc, PeerLeftError):
         # Perhaps a collective pdist does not run (DDP, a raw dist.all_reduce) failed.
         try:
             lines = _read(lifetime, tuple(r for r in range(world_size) if r != rank))
         except _StoreGoneError:
-            lines = [
-                "the rendezvous store does not answer: its host (rank 0) has most likely exited"
-            ]
+            gone = True
+            lines = ["the rendezvous store does not answer: its host (rank 0) most likely exited"]
         if lines:
             own = f"this rank's {type(exc).__name__} followed"
             print(f"pdist (rank {rank}): " + "; ".join([*lines, own]), file=sys.stderr, flush=True)
-    record(lifetime, rank, exc, echo=bool(lines))
+    if not gone:
+        record(lifetime, rank, exc, echo=bool(lines))

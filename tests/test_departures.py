@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import pytest
@@ -57,3 +58,27 @@ def test_the_ranks_left_behind_name_a_rank_that_exited():
     for rank in (0, 1):
         assert "rank 2 left the job: SystemExit: exited through sys.exit(0)" in out[rank]
         assert "this rank was in all_reduce on group 'world'" in out[rank]
+
+
+def _store_host_dies(port: int) -> None:
+    # Rank 0 hosts the store (as under torchrun without its agent's store), then vanishes.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed() as ctx:
+        x = torch.ones(4)
+        for step in range(200):
+            if step == 3 and ctx.rank == 0:
+                os._exit(1)  # no exit record, and the store goes with the process
+            pdist.all_reduce(ctx, x)
+
+
+def test_a_store_that_is_gone_too_is_said_so():
+    """The store's host dies: the survivors say the store does not answer, within seconds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SpawnError) as info:
+        spawn(_store_host_dies, 2, port, timeout=60)
+    sections = {int(s.split(" ", 1)[0]): s for s in str(info.value).split("----- rank ")[1:]}
+    assert "the rendezvous store does not answer either" in sections[1]
