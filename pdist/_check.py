@@ -14,12 +14,19 @@ rank, naming the ranks and what each passed. The price is that round trip per ca
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
+from . import _departures
 from ._agree import check_same
+from ._errors import PdistError
 from ._group import Group
 
-__all__ = ["HINT", "agree_call", "enabled"]
+__all__ = ["HINT", "agree_call", "enabled", "explaining"]
+
+_MISMATCH = ("mismatch", "does not match", "doesn't match")  # the backends' words
 
 HINT = (
     "turn on check mode (pdist.distributed(check=True) or PDIST_CHECK=1) and every rank "
@@ -50,4 +57,29 @@ def agree_call(group: Group, name: str, x: torch.Tensor, /, **fields: object) ->
     if group.world_size == 1 or not enabled(group) or torch.compiler.is_compiling():
         return
     summary = ", ".join([f"{name}: {_describe(x)}", *(f"{k}={v!r}" for k, v in fields.items())])
-    check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
+    with explaining(group, name):  # a peer gone meanwhile is named as in the collective
+        check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
+
+
+@contextlib.contextmanager
+def explaining(group: Group, what: str) -> Iterator[None]:
+    """Turn the backend's failure of collective ``what`` into one naming its cause, if known.
+
+    A peer that left its block is named (``_departures``); a size mismatch the backend
+    reports (rather than aborting the process, as gloo mostly does) gets check mode's hint.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        better = _departures.explained(group, what, exc)
+        text = str(exc).strip()
+        mismatch = any(m in text.lower() for m in _MISMATCH)
+        if better is None and mismatch and not isinstance(exc, PdistError):
+            msg = (
+                f"{what} on group {group.name!r} (rank {group.rank}): the ranks' tensors "
+                f"do not match ({text.splitlines()[0]}); {HINT}"
+            )
+            better = PdistError(msg)
+        if better is None:
+            raise
+        raise better from exc

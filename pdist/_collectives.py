@@ -8,14 +8,13 @@ wanted, then run the traced form or the eager launch (``_launches``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
-from . import _check, _departures, _launches
+from . import _check, _launches
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
@@ -201,37 +200,6 @@ _ARG_NAMES = {
     "reduce_scatter": ("op", "dim"),
     "all_to_all_4d": ("scatter_dim", "gather_dim"),
 }
-_MISMATCH = ("mismatch", "does not match", "doesn't match")  # gloo's, nccl's words
-
-
-@contextlib.contextmanager
-def _explaining(g: Group, what: str) -> Iterator[None]:
-    """Turn the backend's failure of ``what`` into one that names its cause where pdist can.
-
-    A peer that left its block is named (``_departures``); a size mismatch the backend
-    noticed gets check mode's hint.
-    """
-    try:
-        yield
-    except RuntimeError as exc:
-        better = _departures.explained(g, what, exc)
-        text = str(exc).lower()
-        if better is None and not isinstance(exc, PdistError) and any(m in text for m in _MISMATCH):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            msg = (
-                f"{what} on group {g.name!r} (rank {g.rank}): the ranks' tensors do not match "
-                f"({first}); {_check.HINT}"
-            )
-            better = PdistError(msg)
-        if better is None:
-            raise
-        raise better from exc
-
-
-def _agree_call(g: Group, name: str, x: torch.Tensor, /, **fields: object) -> None:
-    """Check mode's agreement (``_check``); a peer gone meanwhile is named as in a collective."""
-    with _explaining(g, name):
-        _check.agree_call(g, name, x, **fields)
 
 
 @recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
@@ -244,7 +212,7 @@ def _eager(
     *,
     what: str,
 ) -> torch.Tensor:
-    with _explaining(g, what):
+    with _check.explaining(g, what):
         return _launches.result(launch(g, x, *args), async_op)
 
 
@@ -259,7 +227,7 @@ def _collective(
     if g.world_size == 1:
         return x
     if spec.launch is not None:
-        _agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
+        _check.agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
         return _closed(g, x, spec.shape(g, x, *args))
     if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
@@ -353,7 +321,7 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
     g = as_group(group)
     _check_op(_check_tensor(x), op)
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
-    _agree_call(g, "all_reduce_", x, op=op)
+    _check.agree_call(g, "all_reduce_", x, op=op)
     return _in_place(g, x, _launches.all_reduce_into, _launches.traced_all_reduce, op)
 
 
@@ -386,10 +354,10 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     _check_tensor(x)
     if g.world_size == 1:
         return [x]
-    _agree_call(g, "all_gather_tensor", x)
+    _check.agree_call(g, "all_gather_tensor", x)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks]
-    with _explaining(g, "all_gather_tensor"):
+    with _check.explaining(g, "all_gather_tensor"):
         dist.all_gather(outs, x, group=g.device_group)
     return outs
 
@@ -436,10 +404,10 @@ def gather(
     d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
-    _agree_call(g, "gather", x, dst=dst, dim=d)
+    _check.agree_call(g, "gather", x, dst=dst, dim=d)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
-    with _explaining(g, "gather"):
+    with _check.explaining(g, "gather"):
         dist.gather(x, outs, dst=dst_global, group=g.device_group)
     return None if outs is None else torch.cat(outs, dim=d)
 
@@ -462,9 +430,9 @@ def reduce(
     dst_global = g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
-    _agree_call(g, "reduce", x, dst=dst, op=op)
+    _check.agree_call(g, "reduce", x, dst=dst, op=op)
     out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
-    with _explaining(g, "reduce"):
+    with _check.explaining(g, "reduce"):
         dist.reduce(out, dst=dst_global, group=g.device_group)
     if g.rank_in_group != dst:
         return None
@@ -486,7 +454,7 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
     if g.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
         raise ValueError(msg)
-    _agree_call(g, "broadcast", x, src=src)
+    _check.agree_call(g, "broadcast", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 
@@ -503,7 +471,7 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
     _check_tensor(x)
     g.global_rank(src)
     _refuse_grad(g, x, "broadcast_", "broadcast")
-    _agree_call(g, "broadcast_", x, src=src)
+    _check.agree_call(g, "broadcast_", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 

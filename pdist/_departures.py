@@ -33,8 +33,8 @@ __all__ = ["PeerLeftError", "explained", "left_block", "record"]
 
 T = TypeVar("T")
 
-_WAIT = 5.0  # seconds any store access may take before the store counts as gone
-_STORE_TIMEOUT = 2.0  # seconds a connection to it tries (the store's host answers in ms)
+_WAIT = 3.0  # seconds any store access may take before the store counts as gone
+_STORE_TIMEOUT = 1.0  # seconds a connection to it tries (a live store answers in ms)
 _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's departure
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
