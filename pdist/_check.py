@@ -9,7 +9,9 @@ dtype, dim, counts) through one small all-reduce on the CPU group
 (:func:`pdist._agree.check_same`: the summaries themselves travel only when they
 differ), and a difference raises the same :class:`~pdist.RankMismatchError` on every
 rank, naming the ranks and what each passed. The price is that round trip per call
-(``pdist bench``'s "check mode" case), which is why it is off by default.
+(``pdist bench``'s "check mode" cases), which is why it is off by default: on 2 gloo
+ranks of a loaded 2-core machine, 0.8-1.7 ms more per call (a 4 KiB all_reduce 1.7 ms
+checked against 0.9 ms, 1 MiB 3.2 against 1.8 ms; about 2x for small calls).
 """
 
 from __future__ import annotations

@@ -354,7 +354,8 @@ def distributed(
             raises :class:`~pdist.RankMismatchError` on every rank naming each rank's
             shapes and dtypes, instead of a backend error on one rank and a wrong tensor on
             another. It costs that round trip per call (``pdist bench``'s "check mode"
-            case): on in tests and while debugging, off in production. ``PDIST_CHECK=1``
+            cases: about 2x a small gloo all_reduce): on in tests and while debugging, off
+            in production. ``PDIST_CHECK=1``
             turns it on too. For raw ``torch.distributed`` calls, torch's own check is
             ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, read when the groups are made: set it in
             ``os.environ`` before entering ``distributed()``.
