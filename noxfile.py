@@ -65,9 +65,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the documentation in strict mode."""
+    """Build the documentation in strict mode; the API page must show no private name."""
     _install(session, "docs")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+    session.run("python", "tools/check_api_page.py", "site")
 
 
 @nox.session
