@@ -17,7 +17,8 @@ nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 # PDIST_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH = shlex.split(os.environ.get("PDIST_TORCH", "torch==2.13.0"))
 # The floor of the declared range (pyproject.toml's torch>=2.6): CI runs the suite there too.
-FLOOR = ["torch==2.6.0"]
+# PDIST_TORCH_FLOOR replaces its pip arguments as PDIST_TORCH does TORCH's (a CPU index, a wheel).
+FLOOR = shlex.split(os.environ.get("PDIST_TORCH_FLOOR", "torch==2.6.0"))
 EXAMPLES = sorted(p.stem for p in Path("examples").glob("*.py"))
 # Examples whose layout needs more than the default 2 ranks (pp x dp: 2 stages x 2).
 NPROC = {"pipeline_fsdp": 4}
@@ -44,7 +45,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def floor(session: nox.Session) -> None:
-    """Run the test suite on the oldest torch pdist supports (2.6.0; a CUDA build from PyPI)."""
+    """Run the test suite on the oldest torch pdist supports (2.6.0; or PDIST_TORCH_FLOOR's)."""
     _install(session, "test,docs", torch=FLOOR)
     session.run("pytest", *session.posargs)
 
@@ -66,9 +67,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the documentation in strict mode."""
+    """Build the documentation in strict mode; the API page must show no private name."""
     _install(session, "docs")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+    session.run("python", "tools/check_api_page.py", "site")
 
 
 @nox.session

@@ -46,8 +46,11 @@ def main() -> None:
         # Evaluation: every sample exactly once, gathered back in dataset order.
         test = make_data(101, seed=2)  # not divisible by the world size on purpose
         loader = DataLoader(test, batch_size=8, sampler=pdist.EvalSampler(test, ctx.dp))
+        # The unwrapped model: DDP's forward takes part in collectives, and the ranks may
+        # hold different numbers of evaluation batches.
+        net = model.module.eval()
         with torch.no_grad():
-            batches = [{"pred": model(x).argmax(dim=1), "label": y} for x, y in loader]
+            batches = [{"pred": net(x).argmax(dim=1), "label": y} for x, y in loader]
         out = pdist.collate_batches(ctx.dp, batches)
         accuracy = (out["pred"] == out["label"]).float().mean().item()
         assert out["label"].tolist() == test.tensors[1].tolist()  # dataset order restored

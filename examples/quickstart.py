@@ -1,4 +1,4 @@
-"""Quickstart: print each rank's groups, then run two collectives.
+"""Quickstart: print each rank's groups, then run two collectives (an all-reduce, a barrier).
 
 Run it with ``torchrun --nproc-per-node 2 examples/quickstart.py`` or as plain
 ``python examples/quickstart.py`` (a one-rank world).
@@ -17,9 +17,11 @@ def main() -> None:
             f"{name}={getattr(ctx, name).ranks}" for name in ("world", "node", "tp", "sp", "dp")
         )
         print(f"rank {ctx.rank}/{ctx.world_size} on {ctx.device} ({ctx.backend}): {groups}")
+        total = pdist.all_reduce(ctx, torch.ones(1, device=ctx.device))  # every rank: [W]
         pdist.barrier(ctx)
         if pdist.is_rank0(ctx):
-            print(f"hosts: {len(ctx.world.ranks) // ctx.node.world_size}")
+            hosts = len(ctx.world.ranks) // ctx.node.world_size
+            print(f"all_reduce of ones: {total.item():g} (world {ctx.world_size}); hosts: {hosts}")
 
 
 if __name__ == "__main__":

@@ -318,8 +318,9 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     Leaves are dense tensors on the CPU or on the group's device; dict keys are
     str, int, float, bool, None or tuples of them.
 
-    .. note:: All ranks of the group must call it. Whatever goes wrong on one
-       rank raises on every rank, naming that rank.
+    Note:
+        All ranks of the group must call it. Whatever goes wrong on one
+        rank raises on every rank, naming that rank.
 
     Returns:
         On every rank, the whole dataset's outputs in index order, as one tensor

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import _launches, _uneven
+from . import _check, _launches, _uneven
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
@@ -193,6 +193,15 @@ def _forward(
     return _eager(g, _launches.local(x), spec.launch, args, async_op, what=name)
 
 
+# The argument names of each spec's normalized args, for check mode's summary.
+_ARG_NAMES = {
+    "all_reduce": ("op",),
+    "all_gather": ("dim",),
+    "reduce_scatter": ("op", "dim"),
+    "all_to_all_4d": ("scatter_dim", "gather_dim"),
+}
+
+
 @recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
 def _eager(
     g: Group,
@@ -203,7 +212,8 @@ def _eager(
     *,
     what: str,
 ) -> torch.Tensor:
-    return _launches.result(launch(g, x, *args), async_op)
+    with _check.explaining(g, what):
+        return _launches.result(launch(g, x, *args), async_op)
 
 
 def _collective(
@@ -216,6 +226,8 @@ def _collective(
         raise TypeError(msg)
     if g.world_size == 1:
         return x
+    if spec.launch is not None:
+        _check.agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
         return _closed(g, x, spec.shape(g, x, *args))
     if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
@@ -280,7 +292,8 @@ def all_reduce(
 ) -> torch.Tensor:
     """Reduce ``x`` over the group, out of place; every rank gets the result.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Args:
         group: The group (a ``DistContext`` means its ``world``).
@@ -299,7 +312,8 @@ def all_reduce(
 def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum") -> torch.Tensor:
     """Reduce ``x`` over the group in place (``op`` as in :func:`all_reduce`); returns ``x``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` requires grad while gradients are enabled (use :func:`all_reduce`).
@@ -307,6 +321,7 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
     g = as_group(group)
     _check_op(_check_tensor(x), op)
     _refuse_grad(g, x, "all_reduce_", "all_reduce")
+    _check.agree_call(g, "all_reduce_", x, op=op)
     return _in_place(g, x, _launches.all_reduce_into, _launches.traced_all_reduce, op)
 
 
@@ -326,8 +341,9 @@ def all_gather(
     rows; every rank passes the same list, and the caller vouches for the other ranks'
     entries). None: equal sizes.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype
-       (with ``sizes``, the same shape but along ``dim``).
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype
+        (with ``sizes``, the same shape but along ``dim``).
 
     Returns:
         ``x``'s shape with ``dim`` ``world_size`` times larger (``sum(sizes)``); on a
@@ -342,7 +358,8 @@ def all_gather(
 def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``x`` as a list in group order (not differentiable).
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         A *list*, one tensor per rank (:func:`all_gather` returns their concatenation).
@@ -351,9 +368,11 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     _check_tensor(x)
     if g.world_size == 1:
         return [x]
+    _check.agree_call(g, "all_gather_tensor", x)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks]
-    dist.all_gather(outs, x, group=g.device_group)
+    with _check.explaining(g, "all_gather_tensor"):
+        dist.all_gather(outs, x, group=g.device_group)
     return outs
 
 
@@ -371,7 +390,8 @@ def reduce_scatter(
     The inverse of :func:`all_gather`; ``op`` and ``async_op`` as in :func:`all_reduce`
     (``"sum"`` and ``"mean"`` are differentiable).
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     ``sizes``: each rank's share of ``dim``, for uneven shards (rank ``r`` gets
     part ``r`` of ``x.split(sizes, dim)``; every rank passes the same list). None: equal.
@@ -395,7 +415,8 @@ def gather(
 ) -> torch.Tensor | None:
     """Concatenate every rank's ``x`` along ``dim`` on group index ``dst``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         The concatenation on ``dst``, None on the other ranks.
@@ -406,9 +427,11 @@ def gather(
     d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
+    _check.agree_call(g, "gather", x, dst=dst, dim=d)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
-    dist.gather(x, outs, dst=dst_global, group=g.device_group)
+    with _check.explaining(g, "gather"):
+        dist.gather(x, outs, dst=dst_global, group=g.device_group)
     return None if outs is None else torch.cat(outs, dim=d)
 
 
@@ -419,7 +442,8 @@ def reduce(
 
     Mind the default: ``"mean"`` here, while :func:`all_reduce` and torch's ``reduce`` sum.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
         The reduction on ``dst``, None on the other ranks.
@@ -429,8 +453,10 @@ def reduce(
     dst_global = g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
+    _check.agree_call(g, "reduce", x, dst=dst, op=op)
     out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
-    dist.reduce(out, dst=dst_global, group=g.device_group)
+    with _check.explaining(g, "reduce"):
+        dist.reduce(out, dst=dst_global, group=g.device_group)
     if g.rank_in_group != dst:
         return None
     return out.div_(g.world_size) if op == "mean" else out
@@ -439,7 +465,8 @@ def reduce(
 def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Fill every rank's ``x`` with group index ``src``'s, in place; returns ``x``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` is not contiguous (:func:`broadcast_` takes any layout).
@@ -450,13 +477,15 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
     if g.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
         raise ValueError(msg)
+    _check.agree_call(g, "broadcast", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 
 def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> torch.Tensor:
     """Fill every rank's ``x`` with group index ``src``'s, in place (any layout); returns ``x``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` requires grad while gradients are enabled.
@@ -465,6 +494,7 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
     _check_tensor(x)
     g.global_rank(src)
     _refuse_grad(g, x, "broadcast_", "broadcast")
+    _check.agree_call(g, "broadcast_", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
 
@@ -481,8 +511,12 @@ def all_to_all_4d(
     Splits ``scatter_dim`` among the ranks and concatenates along ``gather_dim``:
     ``[B, S/P, H, D] -> [B, S, H/P, D]`` with the defaults, ``scatter_dim=1,
     gather_dim=2`` the way back. Differentiable; ``async_op`` as in :func:`all_reduce`.
+    The defaults assume ``[B, S, H, D]`` (flash-attn), while
+    :func:`ulysses_attention` defaults to SDPA's ``"bhsd"``: for ``[B, H, S, D]`` pass
+    ``scatter_dim=1, gather_dim=2``.
 
-    .. note:: All ranks of the group must call it with tensors of the same shape and dtype.
+    Note:
+        All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
         ValueError: ``x`` is not 4-D, the dims are out of range or equal, or
@@ -509,7 +543,8 @@ def shard(
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
-    .. note:: The destination must call :func:`recv` with the same shape and
+    Note:
+        The destination must call :func:`recv` with the same shape and
         dtype. If that ``recv`` fails its checks, this call waits for the group
         timeout (the object functions carry a failure to the peer).
     """
@@ -530,7 +565,8 @@ def recv(
 
     ``shape`` is a tensor shape or an int size, as ``torch.empty`` takes.
 
-    .. note:: The source must call :func:`send` with a tensor of this shape and
+    Note:
+        The source must call :func:`send` with a tensor of this shape and
         dtype. If this call fails its checks, the ``send`` waits for the group
         timeout (the object functions carry a failure to the peer).
 

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _compat, _env, _stall, _subgroups, _topology
+from . import _compat, _departures, _env, _stall, _subgroups, _topology
 from ._compat import HashStore, PrefixStore, Store, TCPStore
+from ._env import DEFAULT_ON_STALL
 from ._errors import PdistError
 from ._group import CONTEXT_GROUPS, DistContext, Lifetime
 from ._guard import Deadline, probe_world
@@ -223,6 +224,8 @@ class _Distributed:
         generation = deadline.check_in(store, "startup")
         # A second block in the same job must never read the first one's (closed) addresses.
         self._block = (store, f"pdist/block/{generation}")
+        lifetime.exit_records = self._block
+        lifetime.check = settings.check
         store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
@@ -278,7 +281,11 @@ class _Distributed:
             except Exception:  # teardown goes on; report and keep restoring
                 logger.warning("pdist: restoring process state failed", exc_info=True)
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self._lifetime is not None:
+            # Before the communicators go: the peers' failing collectives read it.
+            launch = self._settings.launch
+            _departures.left_block(self._lifetime, launch.rank, launch.world_size, exc)
         self._close()
 
 
@@ -304,7 +311,8 @@ def distributed(
     startup_timeout: float | timedelta | None = None,
     l2_fetch_granularity: int | None = None,
     stall_timeout: float | timedelta | None = None,
-    on_stall: str = _env.DEFAULT_ON_STALL,
+    on_stall: str = DEFAULT_ON_STALL,
+    check: bool = False,
     store: Store | None = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -321,9 +329,14 @@ def distributed(
     too long. An initialized default group is adopted and left alone. On exit it
     destroys exactly the groups it created (no collective) and restores the device,
     CPU affinity, L2 fetch granularity and environment it changed. Single-use;
-    blocks may follow each other in one job.
+    blocks may follow each other in one job. A rank leaving the block through an
+    exception (``sys.exit`` included) first records a one-line summary of it in the
+    rendezvous store, so that the ranks it leaves waiting in a collective name it
+    (a :class:`~pdist.PdistError` from a pdist collective; a line on stderr when their
+    own exception leaves the block).
 
-    .. note:: Every rank of the job must enter it.
+    Note:
+        Every rank of the job must enter it.
 
     Args:
         tp: Tensor-parallel size (adjacent ranks: the fastest axis).
@@ -355,6 +368,16 @@ def distributed(
         on_stall: ``"report"``: log the report (``pdist`` logger, ERROR) and keep waiting;
             ``"exit"``: log it, then every answering rank exits with
             :data:`~pdist.STALL_EXIT_CODE`. Default ``"report"``, or ``PDIST_ON_STALL``.
+        check: Check mode: every pdist tensor collective first agrees on its op, shapes,
+            dtypes and dims through one small all-reduce on the CPU group, and a difference
+            raises :class:`~pdist.RankMismatchError` on every rank naming each rank's
+            shapes and dtypes, instead of a backend error on one rank and a wrong tensor on
+            another. It costs that round trip per call (``pdist bench``'s "check mode"
+            cases: about 2x a small gloo all_reduce): on in tests and while debugging, off
+            in production. ``PDIST_CHECK=1``
+            turns it on too. For raw ``torch.distributed`` calls, torch's own check is
+            ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, read when the groups are made: set it in
+            ``os.environ`` before entering ``distributed()``.
         store: A ``torch.distributed.Store`` to rendezvous through instead of the launcher's.
         rank: Overrides the launcher's rank.
         world_size: Overrides the launcher's world size.
@@ -388,6 +411,7 @@ def distributed(
         l2_fetch_granularity=l2_fetch_granularity,
         stall_timeout=stall_timeout,
         on_stall=on_stall,
+        check=check,
         store_given=store is not None,
         rank=rank,
         world_size=world_size,

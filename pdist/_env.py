@@ -37,6 +37,7 @@ __all__ = [
     "deadline_seconds",
     "detect_launch",
     "env_backend",
+    "env_flag",
     "env_seconds",
     "resolve_layout",
     "resolve_settings",
@@ -200,6 +201,23 @@ def env_seconds(
     return seconds
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """A yes/no variable: ``1/true/yes/on`` or ``0/false/no/off``; else ``default`` (warning)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.lower() in _TRUE + _FALSE:
+        return raw.lower() in _TRUE
+    msg = "pdist: ignoring %s=%r (expected 1 or 0); using the default %s"
+    logger.warning(msg, name, raw, int(default))
+    return default
+
+
 def env_backend(environ: Mapping[str, str] | None = None) -> str | None:
     """The backend named by ``PDIST_BACKEND``, lower-cased, or None when unset."""
     env = os.environ if environ is None else environ
@@ -262,6 +280,7 @@ class Settings:
     stall_answer: float
     cpu_affinity: bool
     adopt: bool
+    check: bool = False  # check mode: every tensor collective first agrees on its arguments
 
 
 def _check_rank_arg(name: str, value: object) -> None:
@@ -494,6 +513,7 @@ def resolve_settings(
     l2_fetch_granularity: int | None = None,
     stall_timeout: float | timedelta | None = None,
     on_stall: str = DEFAULT_ON_STALL,
+    check: bool = False,
     store_given: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
@@ -507,7 +527,11 @@ def resolve_settings(
 
     Besides ``distributed()``'s: ``store_given`` (a store was passed in), ``accelerator``
     (None on a CPU-only machine) and ``adopted`` (the initialized default group, if any).
+    Check mode is on when ``check`` is true or ``PDIST_CHECK`` says so.
     """
+    if not isinstance(check, bool):
+        msg = f"check={check!r} must be True or False"
+        raise TypeError(msg)
     env = os.environ if environ is None else environ
     overrides = {"rank": rank, "world_size": world_size, "local_rank": local_rank}
     launch = _launch(env, overrides, adopted, store_given)
@@ -536,4 +560,5 @@ def resolve_settings(
         stall_answer=answer,
         cpu_affinity=bool(cpu_affinity),
         adopt=adopted is not None,
+        check=check or env_flag("PDIST_CHECK", False, env),
     )

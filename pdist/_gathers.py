@@ -175,7 +175,8 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
 
     Dense tensors travel as tensors and land on the receiver's device.
 
-    .. note:: All ranks of the group must call it.
+    Note:
+        All ranks of the group must call it.
 
     Args:
         group: The group (a context means its world).
@@ -252,7 +253,8 @@ def gather_object(
 ) -> list[Any] | None:
     """Every rank's ``obj`` in group order on group index ``dst`` (copies); None elsewhere.
 
-    .. note:: All ranks of the group must call it.
+    Note:
+        All ranks of the group must call it.
 
     Args:
         group: The group (a context means its world).

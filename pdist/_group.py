@@ -14,7 +14,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ._compat import before_destroying_groups, unshared
+from ._compat import Store, before_destroying_groups, unshared
 from ._errors import PdistError
 from ._inflight import InFlight
 from ._layout import Layout
@@ -118,6 +118,10 @@ class Lifetime:
         self.subgroup_timeout: timedelta | None = None
         self.partitions: dict[Blocks, Built] = {}
         self.memory = KeptMemory()  # CPU memory the block's transfers take in turn
+        # Check mode (distributed(check=True)): tensor collectives agree on their arguments first.
+        self.check = False
+        # Where a rank leaving the block records why (``_departures``): the store, its prefix.
+        self.exit_records: tuple[Store, str] | None = None
         # Per group name: the rows the last collate_batches had above this rank's samples
         # (where the next one packs while the counts travel; a wrong guess packs again).
         self.collate_padding: dict[str, int] = {}

@@ -242,7 +242,8 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
     stall inside a C call cannot be interrupted. Never guard a whole training
     job: it ends any late block.
 
-    .. note:: Every rank of the world must enter it.
+    Note:
+        Every rank of the world must enter it.
 
     Args:
         ctx: The context.

@@ -96,10 +96,11 @@ def moe_dispatch(
         outs = [experts[i](rows) for i, rows in enumerate(routed.tokens.split(routed.counts))]
         y = pdist.moe_combine(routed, torch.cat(outs), topk_weights)  # [T, H']
 
-    .. note:: All ranks of the group must call it, with the same ``num_experts``
-       and hidden size. One counts exchange and one data all-to-all; an argument
-       error on any rank (ids out of range, wrong shapes) makes every rank raise
-       it, naming the rank.
+    Note:
+        All ranks of the group must call it, with the same ``num_experts``
+        and hidden size. One counts exchange and one data all-to-all; an argument
+        error on any rank (ids out of range, wrong shapes) makes every rank raise
+        it, naming the rank.
 
     Args:
         group: The expert-parallel group (a context means its world).
@@ -168,8 +169,9 @@ def moe_combine(
     Differentiable in ``expert_out`` and ``weights``. One data all-to-all (the
     counts are the dispatch's).
 
-    .. note:: All ranks of the group must call it with the :class:`Routed` their
-       :func:`moe_dispatch` returned.
+    Note:
+        All ranks of the group must call it with the :class:`Routed` their
+        :func:`moe_dispatch` returned.
 
     Args:
         routed: What :func:`moe_dispatch` returned on this rank.

@@ -539,9 +539,10 @@ def message_queue(
     group. The writer waits for a slot at most the group's timeout, a reader
     ``idle_timeout``; either notices a dead peer within a second.
 
-    .. note:: Every rank of the group must enter it, with the same
-       ``chunk_bytes`` and ``chunks``; broadcasts on the yielded group must
-       come from its first rank (``src=0``), inside this block.
+    Note:
+        Every rank of the group must enter it, with the same
+        ``chunk_bytes`` and ``chunks``; broadcasts on the yielded group must
+        come from its first rank (``src=0``), inside this block.
 
     Args:
         group: The group (a context means its world); its ranks share a host.

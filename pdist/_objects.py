@@ -192,7 +192,8 @@ def broadcast_object(
 
     Dense tensors inside travel as tensors and land on the receiver's device.
 
-    .. note:: All ranks of the group must call it; ``obj`` is ignored on receivers.
+    Note:
+        All ranks of the group must call it; ``obj`` is ignored on receivers.
 
     Args:
         group: The group (a context means its world).
@@ -225,8 +226,9 @@ def broadcast_object_list(
     A drop-in for ``torch.distributed.broadcast_object_list`` that pickles only
     the skeleton: dense tensors travel as tensors and arrive on the receiver's device.
 
-    .. note:: All ranks of the group must call it. Receivers' lists are
-       replaced by the source's items (their length may differ).
+    Note:
+        All ranks of the group must call it. Receivers' lists are
+        replaced by the source's items (their length may differ).
 
     Args:
         group: The group (a context means its world).
@@ -292,7 +294,8 @@ def broadcast_tensor_dict(
 ) -> dict[Any, Any]:
     """Broadcast a (nested) dict of tensors and other values from group index ``src``.
 
-    .. note:: All ranks of the group must call it; ``tensor_dict`` is ignored on receivers.
+    Note:
+        All ranks of the group must call it; ``tensor_dict`` is ignored on receivers.
 
     Returns:
         The source's dict (on the source, ``tensor_dict`` itself).

@@ -229,8 +229,9 @@ def send_tensor_dict(
     sends its 1/k of every bucket and the receivers all-gather the rest. If
     ``tensor_dict`` is not a dict or cannot be encoded, the receivers raise too.
 
-    .. note:: The destination must call :func:`recv_tensor_dict` with a
-       matching ``all_gather_group`` size.
+    Note:
+        The destination must call :func:`recv_tensor_dict` with a
+        matching ``all_gather_group`` size.
     """
     g = as_group(group)
     peer = _peer(g, dst, g.next_rank, "dst")
@@ -256,9 +257,10 @@ def recv_tensor_dict(
     the group all-gathers the rest (one receiver's failure raises on all of
     them and their senders).
 
-    .. note:: Every receiver of a stage must pass the stage's
-       ``all_gather_group``: one that passes None or another group raises, but
-       cannot reach the others of the stage, which then wait for the timeout.
+    Note:
+        Every receiver of a stage must pass the stage's
+        ``all_gather_group``: one that passes None or another group raises, but
+        cannot reach the others of the stage, which then wait for the timeout.
 
     Returns:
         The dict (of the sender's mapping type), with tensors on this rank's

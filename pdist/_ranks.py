@@ -62,7 +62,8 @@ def is_local_rank0(ctx: DistContext) -> bool:
 def barrier(group: Group | DistContext) -> None:
     """Block until every rank of ``group`` has called it (on the CPU group).
 
-    .. note:: All ranks of the group must call it. A no-op on a one-rank group.
+    Note:
+        All ranks of the group must call it. A no-op on a one-rank group.
     """
     g = as_group(group)
     if g.world_size > 1:
@@ -185,8 +186,9 @@ def rank0_first(
     :func:`rank0_only`. If the first rank raises, every other rank raises
     :class:`~pdist.PdistError` naming its error instead of waiting.
 
-    .. note:: Every rank of the group (the world, for a context) must call the
-       wrapped function.
+    Note:
+        Every rank of the group (the world, for a context) must call the
+        wrapped function.
 
     Raises:
         TypeError: The argument is neither a callable nor a context or group,

@@ -211,19 +211,21 @@ def ulysses_attention(
         sdpa = pdist.ulysses_attention(ctx.sp, F.scaled_dot_product_attention)
         out = sdpa(q, k, v, is_causal=True)  # [B, H, S_r, D]
 
-    .. note:: All ranks of the group must call the returned function, with
-       tensors of the same heads, batch, head sizes and dtype; only the sequence
-       length may differ. Each call exchanges the chunk lengths once (a small
-       all-to-all over the CPU group, which makes every rank raise when one
-       passed bad tensors), then moves q, k, v in one all-to-all and the output
-       in another. A compiled call (``torch.compile``) exchanges nothing while
-       tracing and assumes every rank's chunk is as long as its own.
+    Note:
+        All ranks of the group must call the returned function, with
+        tensors of the same heads, batch, head sizes and dtype; only the sequence
+        length may differ. Each call exchanges the chunk lengths once (a small
+        all-to-all over the CPU group, which makes every rank raise when one
+        passed bad tensors), then moves q, k, v in one all-to-all and the output
+        in another. A compiled call (``torch.compile``) exchanges nothing while
+        tracing and assumes every rank's chunk is as long as its own.
 
     Args:
         group: The sequence-parallel group (a context means its world).
         attention: ``attention(q, k, v, *args, **kwargs) -> out``, all in ``layout``.
         layout: The dims of q, k, v and the output: ``"bhsd"`` (SDPA, the
-            default), ``"bshd"`` (flash-attn), ``"sbhd"``...
+            default), ``"bshd"`` (flash-attn), ``"sbhd"``... Mind that
+            :func:`all_to_all_4d`'s defaults assume ``"bshd"`` instead.
 
     Returns:
         ``wrapped(q, k, v, *args, **kwargs)``, same signature as ``attention``.

@@ -21,6 +21,12 @@ from typing import Any
 __all__ = ["format_ranks", "format_report", "frame_text", "picture", "stalled"]
 
 _SHOWN_GROUPS, _SHOWN_LINES, _SHOWN_STACKS, _SHOWN_FRAMES = 6, 4, 6, 12
+_HINTS = (
+    "  hints: ranks in different collectives, or in one with different shapes or dtypes: "
+    "rerun with check mode (pdist.distributed(check=True) or PDIST_CHECK=1), which makes "
+    "every rank raise naming each rank's call; for raw torch.distributed calls set "
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL before entering distributed()"
+)
 
 
 def format_ranks(ranks: Iterable[int], limit: int = 16) -> str:
@@ -162,6 +168,7 @@ def format_report(
         f"pdist: stall report (round {round_no}): a collective has waited "
         f"{_oldest(records):.1f}s, past stall_timeout={stall_timeout:g}s; {seen}",
         *_group_section(records),
+        _HINTS,
         *_stack_section(records),
     ]
     if world_size is not None:

@@ -243,8 +243,9 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
     For a second model with another TP degree (use it with :func:`patch_tp`). Asking
     twice for one size reuses the communicators; they live until the block exits.
 
-    .. note:: Every rank of the world must call it, in the same order as other
-       group creations.
+    Note:
+        Every rank of the world must call it, in the same order as other
+        group creations.
 
     Returns:
         The group holding the caller (ranks ``size * (rank // size)`` onwards).
@@ -312,8 +313,9 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
     disjoint and increasing (torch orders a group's members by global rank), and may
     leave ranks out.
 
-    .. note:: Every rank of the world must call it with the same lists, in the
-       same order as other group creations.
+    Note:
+        Every rank of the world must call it with the same lists, in the
+        same order as other group creations.
 
     Example::
 
@@ -379,8 +381,9 @@ def flatten(ctx: DistContext, *axes: str) -> Group:
     The communicators are built once per block: asking again, or for a partition the
     context holds already, builds nothing.
 
-    .. note:: Every rank of the world must call it with the same axes, in the same order
-       as other group creations.
+    Note:
+        Every rank of the world must call it with the same axes, in the same order
+        as other group creations.
 
     Args:
         ctx: The context.

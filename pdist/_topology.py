@@ -172,7 +172,8 @@ def same_node_ranks(group: Group | DistContext, source_rank: int = 0) -> list[in
 
     Found through shared memory, not hostnames or environment variables.
 
-    .. note:: All ranks of the group must call it; all get the same list.
+    Note:
+        All ranks of the group must call it; all get the same list.
 
     Args:
         group: The group (a context means its world).

@@ -231,8 +231,9 @@ def wrap_ddp(
     ``sp=2`` all 4 average; with ``tp=2`` rank 1 averages with rank 3. The
     model is moved to ``ctx.device`` first.
 
-    .. note:: Every rank of the group must call it (DDP broadcasts the
-       parameters of the group's first rank on construction).
+    Note:
+        Every rank of the group must call it (DDP broadcasts the
+        parameters of the group's first rank on construction).
 
     Args:
         ctx: The context.
@@ -350,7 +351,8 @@ def sync_model_states(
     dtype, device type) of what they hold, so that a mismatch raises on every
     rank instead of deadlocking. A model holding DTensors is refused.
 
-    .. note:: All ranks of the group must call it.
+    Note:
+        All ranks of the group must call it.
 
     Args:
         group: The group (a context means its world).

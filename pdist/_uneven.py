@@ -121,7 +121,8 @@ def all_to_all(
     all-to-all with the counts swapped); under ``torch.compile`` it traces to one
     functional all-to-all and one wait, given both counts as Python ints.
 
-    .. note:: All ranks of the group must call it, with rows of one shape and dtype.
+    Note:
+        All ranks of the group must call it, with rows of one shape and dtype.
 
     Args:
         group: The group (a ``DistContext`` means its ``world``).

@@ -175,7 +175,9 @@ def spawn(
 
     Each rank sees torchrun's variables and a rendezvous store hosted by the
     caller, so ``fn`` can call ``pdist.distributed()`` directly. ``fn`` (defined
-    at module level), ``args`` and the results must be picklable.
+    at module level), ``args`` and the results must be picklable. The ranks run in
+    check mode (``PDIST_CHECK=1``: tensor collectives with mismatched shapes or dtypes
+    raise on every rank) unless the caller's environment sets ``PDIST_CHECK=0``.
 
     Args:
         fn: The function every rank runs.
@@ -218,6 +220,9 @@ def spawn(
         # The store lives in this process, as torchrun's agent store does.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
+        # Check mode: a test's mismatched collective raises on every rank, never a wrong
+        # tensor; PDIST_CHECK=0 in the caller's environment turns it off.
+        "PDIST_CHECK": os.environ.get("PDIST_CHECK", "1"),
     }
     for rank, conn in enumerate(pool.conns):
         env = world_env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}

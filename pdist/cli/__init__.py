@@ -105,9 +105,16 @@ def _simulate(worlds: list[int], json_path: str | None) -> int:
     return 0
 
 
+RATIO_LEGEND = (
+    "ratios: pdist's time / the baseline's time; below 1.00x pdist is faster, above it slower"
+)
+
+
 def _format(records: list[dict[str, Any]]) -> str:
     lines = [
-        f"{'case':<42} {'bytes':>11} {'pdist':>10} {'algbw':>8} {'busbw':>8}  ratios vs baselines"
+        RATIO_LEGEND,
+        f"{'case':<42} {'bytes':>11} {'pdist':>10} {'algbw':>8} {'busbw':>8}  "
+        "ratios (pdist / baseline)",
     ]
     for r in records:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())

@@ -124,6 +124,23 @@ def _all_gather_last_dim(numel: int, ctx: DistContext, stack: Stack) -> Fns:
     return {"pdist": lambda: pdist.all_gather(ctx, x, dim=-1), "torch": gather_then_permute}
 
 
+def _check_mode(numel: int, ctx: DistContext, stack: Stack) -> Fns:
+    """all_reduce in check mode (one more small CPU all-reduce per call) against it unchecked."""
+    x, lifetime = torch.ones(numel, device=ctx.device), ctx.world.lifetime
+    before = lifetime.check
+    stack.callback(setattr, lifetime, "check", before)
+
+    def checked() -> torch.Tensor:
+        lifetime.check = True
+        try:
+            return pdist.all_reduce(ctx, x)
+        finally:
+            lifetime.check = False
+
+    lifetime.check = False
+    return {"pdist": checked, "pdist_unchecked": lambda: pdist.all_reduce(ctx, x)}
+
+
 def _tensor_cases() -> list[Case]:
     """The size sweep; then the in-place, async, reduce-scatter and last-dim cases at 1, 16 MiB."""
     cases = []
@@ -140,6 +157,9 @@ def _tensor_cases() -> list[Case]:
             ("all_gather dim=-1", _all_gather_last_dim, _BUSBW["all_gather"]),
         ):
             cases.append(Case(f"{name} {_label(n)}", n, partial(setup, n // 4), 3, bw, quick))
+    for n, quick in ((4 << 10, True), (1 << 20, False)):
+        name = f"all_reduce {_label(n)} check mode"
+        cases.append(Case(name, n, partial(_check_mode, n // 4), 20, _BUSBW["all_reduce"], quick))
     return cases
 
 

@@ -13,6 +13,7 @@ import torch
 import pdist
 from pdist import DistContext
 from pdist._compat import FEATURES
+from pdist._env import env_flag, stall_settings
 from pdist._topology import nvml_handle
 
 __all__ = ["CHECKS", "doctor", "doctor_rank", "render"]
@@ -155,6 +156,7 @@ def doctor_rank() -> dict[str, Any]:
             "timeout": ctx.world.timeout.total_seconds(),
             "subgroup_timeout": ctx.tp.timeout.total_seconds(),
             "guard_timeout": pdist.world_comm_timeout(),
+            "stall_timeout": stall_settings(None)[0],
             "ranks": pdist.all_gather_object(ctx, {"me": me, "results": results}),
         }
 
@@ -170,6 +172,18 @@ def _cpus(cpus: list[int]) -> str:
     return ",".join("-".join(map(str, s)) for s in spans) or "-"
 
 
+def _var(name: str) -> str:
+    return os.environ.get(name, "-")
+
+
+def _stall_text(report: dict[str, Any]) -> str:
+    """``300s``, ``off``, or ``?`` for a report made before doctor looked at it."""
+    if "stall_timeout" not in report:
+        return "?"
+    seconds = report["stall_timeout"]
+    return "off" if seconds is None else f"{seconds:g}s"
+
+
 def render(report: dict[str, Any]) -> tuple[str, int]:
     """The text report and the exit code (0 healthy, 1 a check failed)."""
     hosts = sorted({tuple(r["me"]["node"]) for r in report["ranks"]})
@@ -182,8 +196,12 @@ def render(report: dict[str, Any]) -> tuple[str, int]:
         *(f"  {line}" for line in features),
         f"timeouts: collective {report['timeout']:g}s, subgroup {report['subgroup_timeout']:g}s, "
         f"start-up guard {'forever' if guard is None else f'{guard:g}s'}"
-        f" (PDIST_TIMEOUT_SEC={os.environ.get('PDIST_TIMEOUT_SEC', '-')}, "
-        f"PDIST_WORLD_COMM_TIMEOUT_SEC={os.environ.get('PDIST_WORLD_COMM_TIMEOUT_SEC', '-')})",
+        f", stall watch {_stall_text(report)}"
+        f" (PDIST_TIMEOUT_SEC={_var('PDIST_TIMEOUT_SEC')}, "
+        f"PDIST_WORLD_COMM_TIMEOUT_SEC={_var('PDIST_WORLD_COMM_TIMEOUT_SEC')}, "
+        f"PDIST_STALL_TIMEOUT_SEC={_var('PDIST_STALL_TIMEOUT_SEC')})",
+        f"check mode: {'on' if env_flag('PDIST_CHECK', False) else 'off'} by default"
+        f" (PDIST_CHECK={_var('PDIST_CHECK')}; distributed(check=True) turns it on)",
         f"{'rank':>4}  {'host':<20} {'node ranks':<14} {'device':<8} {'gpu':<24} cpus",
     ]
     for me in (r["me"] for r in report["ranks"]):

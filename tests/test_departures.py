@@ -1,0 +1,84 @@
+"""A rank that leaves its block is named to the ranks it left behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pdist
+from pdist.testing import SpawnError, spawn
+
+
+def load_batch() -> None:
+    raise RuntimeError("boom")
+
+
+def _leave(how: str) -> None:
+    os.environ["PDIST_CHECK"] = "0"  # rank 2's raw all_reduce must pair with pdist's alone
+    with pdist.distributed() as ctx:
+        x = torch.ones(4)
+        for step in range(200):
+            if step == 3 and ctx.rank == 1 and how == "raise":
+                load_batch()
+            if step == 3 and ctx.rank == 2 and how == "exit":
+                sys.exit(0)
+            if ctx.rank == 2 and how == "raise":
+                dist.all_reduce(x)  # a collective pdist does not run
+            else:
+                pdist.all_reduce(ctx, x)
+
+
+def _outputs(how: str) -> dict[int, str]:
+    """Each rank's section of the failed run's report: its traceback and output."""
+    with pytest.raises(SpawnError) as info:
+        spawn(_leave, 3, how, timeout=60)
+    sections = str(info.value).split("----- rank ")[1:]
+    return {int(s.split(" ", 1)[0]): s for s in sections}
+
+
+def test_the_ranks_left_behind_name_the_rank_that_raised():
+    """Rank 1 raises: rank 0 (in pdist.all_reduce) and rank 2 (in dist.all_reduce) name it."""
+    out = _outputs("raise")
+    where = f"test_departures.py:{load_batch.__code__.co_firstlineno + 1} in load_batch"
+    line = f"rank 1 left the job: RuntimeError: boom ({where})"
+    assert f"{line}; this rank was in all_reduce on group 'world'" in out[0]
+    assert "PdistError" in out[0] or "PeerLeftError" in out[0]
+    assert "Connection closed" in out[0]  # torch's error, chained
+    assert f"pdist (rank 2): {line}" in out[2]
+
+
+def test_the_ranks_left_behind_name_a_rank_that_exited():
+    """Rank 2 calls sys.exit(0): ranks 0 and 1 say it left through sys.exit."""
+    out = _outputs("exit")
+    for rank in (0, 1):
+        assert "rank 2 left the job: SystemExit: exited through sys.exit(0)" in out[rank]
+        assert "this rank was in all_reduce on group 'world'" in out[rank]
+
+
+def _store_host_dies(port: int) -> None:
+    # Rank 0 hosts the store (as under torchrun without its agent's store), then vanishes.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed() as ctx:
+        x = torch.ones(4)
+        for step in range(200):
+            if step == 3 and ctx.rank == 0:
+                os._exit(1)  # no exit record, and the store goes with the process
+            pdist.all_reduce(ctx, x)
+
+
+def test_a_store_that_is_gone_too_is_said_so():
+    """The store's host dies: the survivors say the store does not answer, within seconds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SpawnError) as info:
+        spawn(_store_host_dies, 2, port, timeout=60)
+    sections = {int(s.split(" ", 1)[0]): s for s in str(info.value).split("----- rank ")[1:]}
+    assert "the rendezvous store does not answer either" in sections[1]
