@@ -64,7 +64,6 @@ __all__ = [
     "sparse_tensors_to_validate",
     "split_group",
     "store_connection",
-    "unshared",
     "unsupported",
     "validate_sparse",
     "work_from_future",
@@ -359,25 +358,6 @@ def store_connection(store: Store) -> Store | None:
     if isinstance(store, PrefixStore):
         return None
     return store
-
-
-def _storage_holders(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()  # the same frame for the calibration and every check
-    return int(torch._C._storage_Use_Count(storage._cdata)), sys.getrefcount(storage)
-
-
-_ALONE = _storage_holders(torch.empty(1))  # a tensor's own references, and this frame's
-
-
-def unshared(t: torch.Tensor) -> bool:
-    """Whether nothing but ``t`` holds its memory: no view, storage, array or tensor of it lives.
-
-    Counts the references to its storage: every view, ``Parameter`` and ``numpy()``
-    array takes one, and a held storage object is counted by Python (torch has no
-    public count of either).
-    """
-    users, refs = _storage_holders(t)
-    return users <= _ALONE[0] and refs <= _ALONE[1]
 
 
 def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:
