@@ -16,8 +16,8 @@ import torch.distributed as dist
 from launcher import run_ranks
 
 import pdist
+from benchmarks import scale
 from pdist import _guard
-from pdist.cli import scale
 from pdist.testing import spawn, world_sizes
 
 # --------------------------------------------------------------------------- the deadline
