@@ -66,14 +66,15 @@ class Lifetime:
     Groups reach torch's process groups only through it, so that once the block
     exits nothing pdist handed out keeps a destroyed group alive (torch 2.13 with
     gloo can abort at exit while one is referenced). ``partitions``: those built so far,
-    by their blocks (asking twice builds once).
+    by their blocks (asking twice builds once), and by name and blocks for the groups a user
+    names (one name, one communicator).
     """
 
     def __init__(self) -> None:
         self.closed = False
         self.in_flight = InFlight()
         self.subgroup_timeout: timedelta | None = None
-        self.partitions: dict[Blocks, Built] = {}
+        self.partitions: dict[Blocks | tuple[str, Blocks], Built] = {}
         self._pgs: list[ProcessGroup] = []
         self._created: list[ProcessGroup] = []
         self._owns_default = False
