@@ -41,6 +41,7 @@ __all__ = [
     "PrefixStore",
     "Store",
     "TCPStore",
+    "accelerator",
     "all_gather_into",
     "before_destroying_groups",
     "default_store",
@@ -64,6 +65,7 @@ __all__ = [
     "sparse_tensors_to_validate",
     "split_group",
     "store_connection",
+    "synchronize",
     "unsupported",
     "validate_sparse",
     "work_from_future",
@@ -154,11 +156,11 @@ def _probe() -> Features:
 FEATURES = _probe()
 
 
-def unsupported(feature: str, minimum: tuple[int, int]) -> PdistError:
+def unsupported(feature: str, minimum: tuple[int, int] | None = None) -> PdistError:
     """The error of a feature this torch lacks: names it, this torch and the first that has it."""
     have = ".".join(map(str, TORCH))
-    need = ".".join(map(str, minimum))
-    msg = f"{feature} needs torch >= {need}; this is torch {have} ({torch.__version__})"
+    need = "a newer torch" if minimum is None else "torch >= " + ".".join(map(str, minimum))
+    msg = f"{feature} needs {need}; this is torch {have} ({torch.__version__})"
     return PdistError(msg)
 
 
@@ -239,6 +241,8 @@ def split_group(
     parent: dist.ProcessGroup, blocks: Sequence[Sequence[int]], *, timeout: Any, name: str
 ) -> dist.ProcessGroup | None:
     """``torch.distributed.split_group`` of ``parent`` into ``blocks`` (every rank in one)."""
+    if not FEATURES.split_group:  # callers ask first; a PdistError, never an AttributeError
+        raise unsupported("torch.distributed.split_group")
     return dist.split_group(
         parent_pg=parent, split_ranks=[list(b) for b in blocks], timeout=timeout, group_desc=name
     )
@@ -271,7 +275,31 @@ def device_mesh_from_group(
     """``DeviceMesh.from_group`` over existing groups (no new communicator)."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    if not FEATURES.device_mesh_from_group:
+        raise unsupported("device_mesh (DeviceMesh.from_group)")
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+
+
+def accelerator() -> tuple[str, int] | None:
+    """The machine's accelerator type and device count (None: none), through ``torch.accelerator``.
+
+    A torch without that API: CUDA alone, through ``torch.cuda``.
+    """
+    if not FEATURES.accelerator_api:
+        return ("cuda", torch.cuda.device_count()) if torch.cuda.is_available() else None
+    api = torch.accelerator
+    current = api.current_accelerator() if api.is_available() else None
+    return None if current is None else (current.type, int(api.device_count()))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (none on the CPU)."""
+    if device.type == "cpu":
+        return
+    if FEATURES.accelerator_api:
+        torch.accelerator.synchronize(device)
+    else:
+        torch.cuda.synchronize(device)
 
 
 def default_store() -> Store | None:

@@ -36,11 +36,10 @@ _HOSTED: dict[tuple[str, int], Store] = {}
 
 def probe_accelerator() -> _env.Accelerator | None:
     """The machine's accelerator through ``torch.accelerator`` (cuda, xpu, npu, mps, ...)."""
-    api = torch.accelerator
-    current = api.current_accelerator() if api.is_available() else None
-    if current is None:
+    found = _compat.accelerator()
+    if found is None:
         return None
-    kind, count = current.type, int(api.device_count())
+    kind, count = found
     backend = _env.DEFAULT_BACKENDS.get(kind, "gloo")
     with contextlib.suppress(Exception):  # a device type torch names no backend for
         backend = str(dist.get_default_backend_for_device(kind))

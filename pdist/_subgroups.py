@@ -112,7 +112,8 @@ def _create(
     """The device and CPU process groups of the caller's block ``mine``."""
     world_device = world.device_group
     # An accelerator-bound default group splits every block's device group in one call.
-    if world.device.type != "cpu" and _compat.bound_device(world_device) is not None:
+    bound = world.device.type != "cpu" and _compat.bound_device(world_device) is not None
+    if bound and _compat.FEATURES.split_group:
         device_pg = _compat.split_group(world_device, blocks, timeout=timeout, name=name)
         if device_pg is None:  # every rank is in a block (see _complete)
             msg = f"split_group gave rank {world.rank} no group for partition {name!r}"
