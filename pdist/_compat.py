@@ -18,6 +18,7 @@ import pickle
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import attrs
@@ -367,25 +368,30 @@ def recorder_sees_gloo() -> bool:
     return FEATURES.flight_recorder == "_dump_fr_trace"
 
 
-def store_connection(store: Store) -> Store | None:
+def store_connection(store: Store, timeout: timedelta | None = None) -> Store | None:
     """A store that reaches ``store``'s keys without sharing its connection, or None.
 
     A thread blocked in ``wait`` on a TCP store blocks every other call on that connection.
     A hash store (in-process) is safe to share. None for a file store, whose ``wait`` polls
     its file, and for a ``PrefixStore`` without ``clone`` (its prefix cannot be read back).
+    ``timeout`` bounds every call on the new connection (a store whose host is gone without
+    closing it answers nothing: a thread of pdist's must not wait on it for the store's own).
     """
     if isinstance(store, _c10d.FileStore):
         return None
+    conn: Store | None = None
     if FEATURES.store_clone:
         with contextlib.suppress(Exception):  # a store type without clone
-            return store.clone()  # type: ignore[attr-defined,no-any-return]
-    if isinstance(store, TCPStore):
-        timeout = getattr(store, "timeout", None)
-        kwargs = {} if timeout is None else {"timeout": timeout}
-        return TCPStore(store.host, store.port, is_master=False, wait_for_workers=False, **kwargs)
-    if isinstance(store, PrefixStore):
-        return None
-    return store
+            conn = store.clone()  # type: ignore[attr-defined]
+    if conn is None and isinstance(store, TCPStore):
+        wait: Any = timeout or getattr(store, "timeout", None)
+        kwargs = {} if wait is None else {"timeout": wait}
+        conn = TCPStore(store.host, store.port, is_master=False, wait_for_workers=False, **kwargs)
+    if conn is None:
+        return None if isinstance(store, PrefixStore) else store
+    if timeout is not None:
+        conn.set_timeout(timeout)
+    return conn
 
 
 def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:
