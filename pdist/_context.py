@@ -314,6 +314,19 @@ def distributed(
     CPU affinity, L2 fetch granularity and environment it changed. Single-use;
     blocks may follow each other in one job.
 
+    What it changes in the process, and what turns each off:
+
+    - On CUDA, the CPU affinity: pinned to the CPUs near the rank's GPU (NVML);
+      ``cpu_affinity=False`` leaves it alone.
+    - The stall watch: two daemon threads (``pdist-stall``, ``pdist-stall-answer``;
+      bounded waits, never holding the process) and ``TORCH_FR_BUFFER_SIZE`` (the
+      flight recorder's size, where unset) for the block; ``stall_timeout=0`` starts none.
+    - ``gc.collect()`` on exit, before the groups are destroyed (cycles holding a
+      process group abort torch 2.13 with gloo at exit); always.
+    - While a :func:`~pdist.message_queue` is open, a SIGTERM handler that removes its
+      shared-memory segment, then ends the process as the default action would; only
+      where SIGTERM has its default action: install your own handler to keep it off.
+
     .. note:: Every rank of the job must enter it.
 
     Args:
