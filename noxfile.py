@@ -54,8 +54,9 @@ def floor(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """Check lint and formatting with ruff."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "pdist", "tests", "examples", "noxfile.py")
-    session.run("ruff", "format", "--check", "pdist", "tests", "examples", "noxfile.py")
+    paths = ["pdist", "tests", "examples", "benchmarks", "noxfile.py"]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session
@@ -75,8 +76,12 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run the benchmark (pass e.g. -- --quick --json bench.json)."""
+    """Run the benchmark (e.g. -- --quick --json bench.json; -- --stall-overhead: the watch's)."""
     _install(session, "bench")
+    if "--stall-overhead" in session.posargs:
+        args = [a for a in session.posargs if a != "--stall-overhead"]
+        session.run("python", "-m", "benchmarks.stall", *args)
+        return
     session.run("python", "-m", "pdist", "bench", *session.posargs)
 
 
@@ -111,4 +116,4 @@ def gpu(session: nox.Session) -> None:
 def scale(session: nox.Session) -> None:
     """Start-up cost on simulated worlds of 512..16384 ranks, next to init_device_mesh."""
     _install(session)
-    session.run("python", "-m", "pdist", "bench", "--simulate-world", "default", *session.posargs)
+    session.run("python", "-m", "benchmarks.scale", *(session.posargs or ["default"]))

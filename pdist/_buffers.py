@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -18,7 +17,6 @@ from ._errors import PdistError
 
 __all__ = [
     "ALIGN",
-    "Kept",
     "aligned",
     "allocate",
     "bytes_of",
@@ -35,16 +33,6 @@ _HUGE_MIN_BYTES = 32 << 20  # glibc's largest mapping threshold
 _HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
 
 
-class Kept(Protocol):
-    """CPU memory kept between transfers (a block's ``KeptMemory``): taken, then given back."""
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """A kept buffer of ``nbytes`` bytes or more that nothing else holds (kept no more)."""
-
-    def give(self, slab: torch.Tensor) -> None:
-        """Keep ``slab``, which no transfer writes any more (results may still view it)."""
-
-
 def aligned(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -59,36 +47,20 @@ def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     return out, total
 
 
-def allocate(
-    nbytes: int,
-    device: torch.device = _CPU,
-    *,
-    what: str = "data",
-    kept: Kept | None = None,
-    lend: bool = False,
-) -> torch.Tensor:
-    """An uninitialized uint8 buffer of ``nbytes`` on ``device``, or a :class:`PdistError`.
+def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") -> torch.Tensor:
+    """A fresh uninitialized uint8 buffer of ``nbytes`` on ``device``, or a :class:`PdistError`.
 
     Large CPU ones are backed by transparent huge pages: glibc maps large blocks fresh, and
     their first write faults per 4 KiB page (as costly as the transfer, ``pdist bench``).
-    On the CPU, ``kept``'s slab is taken when it fits (then the buffer may be longer), and
-    with ``lend`` the buffer is given to ``kept`` at once: it holds results, whose memory a
-    later transfer takes once none of them lives.
+    Never memory pdist wrote before: a result may view it for as long as it lives.
     """
     try:
         _seams.allocating(nbytes)
-        cpu = device.type == "cpu"
-        out = kept.take(nbytes) if kept is not None and cpu and nbytes else None
-        if out is None and (not cpu or nbytes < _HUGE_MIN_BYTES or not _HUGE_PAGES):
-            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        elif out is None:
-            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            region.madvise(mmap.MADV_HUGEPAGE)
-            out = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps it alive
-        if lend and kept is not None and cpu:
-            kept.give(out)
-            out = out[:nbytes]  # the caller's own view: it holds the slab from now on
-        return out
+        if device.type != "cpu" or nbytes < _HUGE_MIN_BYTES or not _HUGE_PAGES:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps it alive
     except Exception as exc:  # RuntimeError (out of memory), OverflowError, OSError (mmap)
         msg = (
             f"could not allocate {nbytes} bytes on {device} for {what} ({type(exc).__name__}: "
@@ -98,16 +70,11 @@ def allocate(
 
 
 def slab(
-    sizes: Sequence[int],
-    device: torch.device,
-    *,
-    what: str,
-    kept: Kept | None = None,
-    lend: bool = False,
+    sizes: Sequence[int], device: torch.device, *, what: str
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One allocation (:func:`allocate`), and buffers of ``sizes`` bytes carved from it."""
     starts, total = offsets(sizes)
-    whole = allocate(total, device, what=what, kept=kept, lend=lend)
+    whole = allocate(total, device, what=what)
     return whole, [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]
 
 

@@ -2,15 +2,14 @@
 
 ``collate_batches`` reserves the memory of its gathers, then all-gathers every
 rank's sample count and metadata record (JSON), or the marker of what failed: one
-round trip when every rank has batches, during which it packs the first gather
-on the last call's rows. At most three all-gathers per transport then carry the
-leaves as raw bytes, straight into dataset order.
+round trip when every rank has batches. At most three all-gathers per transport
+then carry the leaves as raw bytes, straight into dataset order, in memory of the
+call's own.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import json
 import math
@@ -351,25 +350,23 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     agreed = _agreed(g, local, error)
     if agreed is None:
         return None
-    local, memory, counts, packed = agreed
-    call = _call(g, local, max(counts), sum(counts))
-    g.lifetime.collate_padding[g.name] = call.rows - call.samples
-    return _unflatten(local.spec, iter(_gather_leaves(g, call, memory, packed)))
-
-
-def _call(g: Group, local: _Local, rows: int, total: int) -> _Call:
-    return _Call(
-        local.columns, local.leaves, g.rank_in_group, g.world_size, rows, local.samples, total
+    local, memory, counts = agreed
+    call = _Call(
+        local.columns,
+        local.leaves,
+        g.rank_in_group,
+        g.world_size,
+        max(counts),
+        local.samples,
+        sum(counts),
     )
+    return _unflatten(local.spec, iter(_gather_leaves(g, call, memory)))
 
 
 def _agreed(
     g: Group, local: _Local, error: BaseException | None
-) -> tuple[_Local, _Memory, list[int], bool] | None:
-    """The agreed leaves, this rank's memory, the counts, whether the first gather is packed.
-
-    None when no rank has batches.
-    """
+) -> tuple[_Local, _Memory, list[int]] | None:
+    """The agreed leaves, this rank's memory and the counts; None when no rank has batches."""
     memory: _Memory = {}
     if local.spec is not None:  # else no batches, or error
         try:
@@ -379,21 +376,7 @@ def _agreed(
     leaves = [[dtype_name(x.dtype), x.shape, x.device_type] for x in local.leaves]
     record = _NONE if local.spec is None else json.dumps([local.spec, leaves]).encode()
     message = _COUNT.pack(local.samples) + record
-    early: list[int] = []  # the rows the first gather was packed for, before the counts came
-
-    def pack_first() -> None:
-        # The rows are the largest count; a rank knows only its own, so it guesses the last
-        # call's padding. Best effort: a guess that fails or is wrong packs again below.
-        rows = local.samples + min(g.lifetime.collate_padding.get(g.name, 0), 1)
-        with contextlib.suppress(Exception):
-            guess = _call(g, local, rows, rows * g.world_size)
-            _, run, region = next(_regions(guess, memory))
-            _pack(guess, run, _own(guess, region))
-            early.append(rows)
-
-    ready = error is None and local.samples > 0
-    meanwhile = pack_first if ready else None
-    messages = _wire.all_gather_bytes(g, message, error=error, what=_WHAT, meanwhile=meanwhile)
+    messages = _wire.all_gather_bytes(g, message, error=error, what=_WHAT)
     records = {r: m[_COUNT.size :] for r, m in zip(g.ranks, messages, strict=True)}
     present = {r: record for r, record in records.items() if record != _NONE}
     if not present:
@@ -411,7 +394,7 @@ def _agreed(
         except Exception as exc:
             error = exc
         _agree.status(g, error, what=_WHAT)
-    return local, memory, counts, early == [max(counts)]
+    return local, memory, counts
 
 
 _Memory = dict[str, torch.Tensor]  # per transport: where its gathers land
@@ -431,11 +414,10 @@ def _reserve(g: Group, leaves: list[_Leaf], rows: int) -> _Memory:
     for leaf in leaves:  # with room for each leaf's and each gather's alignment gap
         per_row[_transport(leaf)] += leaf.nbytes + _COLUMN
     memory: _Memory = {}
-    kept = g.lifetime.memory
     for kind, row in per_row.items():
         device = torch.device("cpu") if kind == "cpu" else g.device
         per_rank = rows * (row + _MAX_GATHERS * _COLUMN) + _MAX_GATHERS * ALIGN
-        memory[kind] = allocate(g.world_size * per_rank, device, what=_WHAT, kept=kept, lend=True)
+        memory[kind] = allocate(g.world_size * per_rank, device, what=_WHAT)
     return memory
 
 
@@ -564,20 +546,16 @@ def _regions(call: _Call, memory: _Memory) -> Iterator[tuple[str, list[int], tor
             yield kind, run, memory[kind][start : start + size]
 
 
-def _gather_leaves(g: Group, call: _Call, memory: _Memory, packed: bool) -> list[torch.Tensor]:
-    """Every leaf gathered in dataset order, in ``memory`` reserved by :func:`_reserve`.
-
-    ``packed``: the first gather's part is in place already.
-    """
+def _gather_leaves(g: Group, call: _Call, memory: _Memory) -> list[torch.Tensor]:
+    """Every leaf gathered in dataset order, in ``memory`` reserved by :func:`_reserve`."""
     gathered: dict[int, torch.Tensor] = {}
     for i, spec in enumerate(call.specs):
         if not (call.rows and spec.nbytes):  # nothing to move, e.g. a [N, 0] leaf
             device = torch.device("cpu") if _transport(spec) == "cpu" else g.device
             gathered[i] = torch.empty((call.total, *spec.shape), dtype=spec.dtype, device=device)
     finishes = []
-    for n, (kind, run, region) in enumerate(_regions(call, memory)):
-        if not (packed and n == 0):  # each gather starts once packed: packing the next overlaps it
-            _pack(call, run, _own(call, region))
+    for kind, run, region in _regions(call, memory):  # packing the next overlaps a gather
+        _pack(call, run, _own(call, region))
         finishes.append(_gather(call, g.transport(kind), kind == "cpu", run, region))
     for finish in finishes:
         gathered.update(finish())

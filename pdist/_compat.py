@@ -18,6 +18,7 @@ import pickle
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import attrs
@@ -41,6 +42,7 @@ __all__ = [
     "PrefixStore",
     "Store",
     "TCPStore",
+    "accelerator",
     "all_gather_into",
     "before_destroying_groups",
     "default_store",
@@ -64,7 +66,7 @@ __all__ = [
     "sparse_tensors_to_validate",
     "split_group",
     "store_connection",
-    "unshared",
+    "synchronize",
     "unsupported",
     "validate_sparse",
     "work_from_future",
@@ -155,11 +157,11 @@ def _probe() -> Features:
 FEATURES = _probe()
 
 
-def unsupported(feature: str, minimum: tuple[int, int]) -> PdistError:
+def unsupported(feature: str, minimum: tuple[int, int] | None = None) -> PdistError:
     """The error of a feature this torch lacks: names it, this torch and the first that has it."""
     have = ".".join(map(str, TORCH))
-    need = ".".join(map(str, minimum))
-    msg = f"{feature} needs torch >= {need}; this is torch {have} ({torch.__version__})"
+    need = "a newer torch" if minimum is None else "torch >= " + ".".join(map(str, minimum))
+    msg = f"{feature} needs {need}; this is torch {have} ({torch.__version__})"
     return PdistError(msg)
 
 
@@ -240,6 +242,8 @@ def split_group(
     parent: dist.ProcessGroup, blocks: Sequence[Sequence[int]], *, timeout: Any, name: str
 ) -> dist.ProcessGroup | None:
     """``torch.distributed.split_group`` of ``parent`` into ``blocks`` (every rank in one)."""
+    if not FEATURES.split_group:  # callers ask first; a PdistError, never an AttributeError
+        raise unsupported("torch.distributed.split_group")
     return dist.split_group(
         parent_pg=parent, split_ranks=[list(b) for b in blocks], timeout=timeout, group_desc=name
     )
@@ -272,7 +276,31 @@ def device_mesh_from_group(
     """``DeviceMesh.from_group`` over existing groups (no new communicator)."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    if not FEATURES.device_mesh_from_group:
+        raise unsupported("device_mesh (DeviceMesh.from_group)")
     return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+
+
+def accelerator() -> tuple[str, int] | None:
+    """The machine's accelerator type and device count (None: none), through ``torch.accelerator``.
+
+    A torch without that API: CUDA alone, through ``torch.cuda``.
+    """
+    if not FEATURES.accelerator_api:
+        return ("cuda", torch.cuda.device_count()) if torch.cuda.is_available() else None
+    api = torch.accelerator
+    current = api.current_accelerator() if api.is_available() else None
+    return None if current is None else (current.type, int(api.device_count()))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (none on the CPU)."""
+    if device.type == "cpu":
+        return
+    if FEATURES.accelerator_api:
+        torch.accelerator.synchronize(device)
+    else:
+        torch.cuda.synchronize(device)
 
 
 def default_store() -> Store | None:
@@ -340,44 +368,30 @@ def recorder_sees_gloo() -> bool:
     return FEATURES.flight_recorder == "_dump_fr_trace"
 
 
-def store_connection(store: Store) -> Store | None:
+def store_connection(store: Store, timeout: timedelta | None = None) -> Store | None:
     """A store that reaches ``store``'s keys without sharing its connection, or None.
 
     A thread blocked in ``wait`` on a TCP store blocks every other call on that connection.
     A hash store (in-process) is safe to share. None for a file store, whose ``wait`` polls
     its file, and for a ``PrefixStore`` without ``clone`` (its prefix cannot be read back).
+    ``timeout`` bounds every call on the new connection (a store whose host is gone without
+    closing it answers nothing: a thread of pdist's must not wait on it for the store's own).
     """
     if isinstance(store, _c10d.FileStore):
         return None
+    conn: Store | None = None
     if FEATURES.store_clone:
         with contextlib.suppress(Exception):  # a store type without clone
-            return store.clone()  # type: ignore[attr-defined,no-any-return]
-    if isinstance(store, TCPStore):
-        timeout = getattr(store, "timeout", None)
-        kwargs = {} if timeout is None else {"timeout": timeout}
-        return TCPStore(store.host, store.port, is_master=False, wait_for_workers=False, **kwargs)
-    if isinstance(store, PrefixStore):
-        return None
-    return store
-
-
-def _storage_holders(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()  # the same frame for the calibration and every check
-    return int(torch._C._storage_Use_Count(storage._cdata)), sys.getrefcount(storage)
-
-
-_ALONE = _storage_holders(torch.empty(1))  # a tensor's own references, and this frame's
-
-
-def unshared(t: torch.Tensor) -> bool:
-    """Whether nothing but ``t`` holds its memory: no view, storage, array or tensor of it lives.
-
-    Counts the references to its storage: every view, ``Parameter`` and ``numpy()``
-    array takes one, and a held storage object is counted by Python (torch has no
-    public count of either).
-    """
-    users, refs = _storage_holders(t)
-    return users <= _ALONE[0] and refs <= _ALONE[1]
+            conn = store.clone()  # type: ignore[attr-defined]
+    if conn is None and isinstance(store, TCPStore):
+        wait: Any = timeout or getattr(store, "timeout", None)
+        kwargs = {} if wait is None else {"timeout": wait}
+        conn = TCPStore(store.host, store.port, is_master=False, wait_for_workers=False, **kwargs)
+    if conn is None:
+        return None if isinstance(store, PrefixStore) else store
+    if timeout is not None:
+        conn.set_timeout(timeout)
+    return conn
 
 
 def safe_load(data: bytes, persistent_load: Any, extra: list[Any]) -> Any:

@@ -38,11 +38,10 @@ _HOSTED: dict[tuple[str, int], Store] = {}
 
 def probe_accelerator() -> _env.Accelerator | None:
     """The machine's accelerator through ``torch.accelerator`` (cuda, xpu, npu, mps, ...)."""
-    api = torch.accelerator
-    current = api.current_accelerator() if api.is_available() else None
-    if current is None:
+    found = _compat.accelerator()
+    if found is None:
         return None
-    kind, count = current.type, int(api.device_count())
+    kind, count = found
     backend = _env.DEFAULT_BACKENDS.get(kind, "gloo")
     with contextlib.suppress(Exception):  # a device type torch names no backend for
         backend = str(dist.get_default_backend_for_device(kind))
@@ -334,6 +333,19 @@ def distributed(
     rendezvous store, so that the ranks it leaves waiting in a collective name it
     (a :class:`~pdist.PdistError` from a pdist collective; a line on stderr when their
     own exception leaves the block).
+
+    What it changes in the process, and what turns each off:
+
+    - On CUDA, the CPU affinity: pinned to the CPUs near the rank's GPU (NVML);
+      ``cpu_affinity=False`` leaves it alone.
+    - The stall watch: two daemon threads (``pdist-stall``, ``pdist-stall-answer``;
+      bounded waits, never holding the process) and ``TORCH_FR_BUFFER_SIZE`` (the
+      flight recorder's size, where unset) for the block; ``stall_timeout=0`` starts none.
+    - ``gc.collect()`` on exit, before the groups are destroyed (cycles holding a
+      process group abort torch 2.13 with gloo at exit); always.
+    - While a :func:`~pdist.message_queue` is open, a SIGTERM handler that removes its
+      shared-memory segment, then ends the process as the default action would; only
+      where SIGTERM has its default action: install your own handler to keep it off.
 
     Note:
         Every rank of the job must enter it.

@@ -26,7 +26,7 @@ __all__ = [
     "encode_marker",
     "failure",
     "kind_name",
-    "translated",
+    "raised_as_is",
 ]
 
 
@@ -108,21 +108,20 @@ def _made(cls: Any, message: str) -> BaseException | None:
     return error if str(error) == message else None  # KeyError, for one, quotes its text
 
 
-def translated(error: BaseException, as_type: type[BaseException], message: str) -> BaseException:
-    """``message`` as an ``as_type`` that is still of ``error``'s type too, chained to it."""
-    name = f"{as_type.__name__}From{type(error).__name__}"
-    joined = _join(cast("Any", as_type), cast("Any", type(error)), name, as_type.__name__)
-    out = _made(joined, message) if joined not in (None, type(error)) else None
-    out = as_type(message) if out is None else out
-    out.__cause__ = error
-    return out
+def raised_as_is(error: BaseException) -> BaseException:
+    """Mark ``error`` to be raised unchanged on its own rank (its peers still raise a RemoteError).
+
+    For a failure whose type is the user's contract, as pickle's errors are.
+    """
+    error._pdist_as_is = True  # type: ignore[attr-defined]
+    return error
 
 
 def failure(message: str, kind: str, own: BaseException | None) -> BaseException:
     """The error for a collective that failed on some rank (``own``: this rank's, if it failed)."""
     if own is None:
         return _PEER_TYPES.get(kind, RemoteError)(message)
-    if isinstance(own, RemoteError):
+    if isinstance(own, RemoteError) or getattr(own, "_pdist_as_is", False):
         return own
     kind_of: Any = type(own)  # hashable, whatever typeshed says
     joined = (

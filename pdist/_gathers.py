@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _agree, _payload, _wire
-from ._buffers import ALIGN, Kept, allocate, bytes_of, filled, offsets
+from ._buffers import ALIGN, allocate, bytes_of, filled, offsets
 from ._compat import all_gather_into
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
@@ -73,9 +73,7 @@ class _Regions:
     ``even``: every region is a row of the largest size, moved by one collective.
     """
 
-    def __init__(
-        self, sizes: list[int], device: torch.device, *, receiving: bool, kept: Kept
-    ) -> None:
+    def __init__(self, sizes: list[int], device: torch.device, *, receiving: bool) -> None:
         self.sizes, self.top = sizes, max(sizes)
         self.even = 2 * sum(sizes) >= len(sizes) * self.top
         if self.even:
@@ -83,7 +81,7 @@ class _Regions:
         else:
             self.starts, total = offsets(sizes)
         self.device, size = device, total if receiving else 0
-        self.out = allocate(size, device, what="the gathered tensors", kept=kept, lend=receiving)
+        self.out = allocate(size, device, what="the gathered tensors")
 
     def region(self, r: int) -> torch.Tensor:
         return self.out[self.starts[r] : self.starts[r] + self.sizes[r]]
@@ -133,10 +131,7 @@ def _plan(
     sizes = [_sizes(d) for d in decodeds] if sizes is None else sizes
     regions = {
         kind: _Regions(
-            [s[k] for s in sizes],
-            _payload.transport_device(kind, g.device),
-            receiving=receiving,
-            kept=g.lifetime.memory,
+            [s[k] for s in sizes], _payload.transport_device(kind, g.device), receiving=receiving
         )
         for k, kind in enumerate(KINDS)
         if max(s[k] for s in sizes)

@@ -14,19 +14,17 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ._compat import Store, before_destroying_groups, unshared
+from ._compat import Store, before_destroying_groups
 from ._errors import PdistError
 from ._inflight import InFlight
 from ._layout import Layout
 
 __all__ = [
     "CONTEXT_GROUPS",
-    "KEPT_MAX_BYTES",
     "Built",
     "DistContext",
     "Group",
     "HeaderTransport",
-    "KeptMemory",
     "Lifetime",
     "ProcessGroup",
     "as_group",
@@ -36,7 +34,6 @@ logger = logging.getLogger("pdist")
 
 ProcessGroup = dist.ProcessGroup
 Blocks = tuple[tuple[int, ...], ...]
-KEPT_MAX_BYTES = 256 << 20  # the largest slab a block keeps between transfers
 
 
 class HeaderTransport(Protocol):
@@ -52,44 +49,6 @@ class HeaderTransport(Protocol):
         what: str,
     ) -> bytes:
         """Broadcast ``payload`` (or the source's ``error``) from group index ``src``."""
-
-
-class KeptMemory:
-    """CPU memory a block keeps between transfers: one slab at most, the last given.
-
-    A source's staging, once its transfer has ended, and the memory of a receiver's
-    results, once none of them lives, are taken by the next transfer that fits instead of
-    faulting fresh pages in (as costly as the copy into them, ``pdist bench``). Bounded:
-    a slab over :data:`KEPT_MAX_BYTES` is not kept, and a transfer takes one only when it
-    needs half of it or more, so that a small result never holds a large slab alive.
-    """
-
-    def __init__(self) -> None:
-        self._slab: torch.Tensor | None = None
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """The kept slab if it fits ``nbytes`` and nothing else holds it (then kept no more)."""
-        with self._lock:
-            found = self._slab
-            if found is None or not nbytes <= found.numel() <= 2 * nbytes or not unshared(found):
-                return None
-            if found.untyped_storage().nbytes() < found.numel():  # a result's storage resized
-                self._slab = None
-                return None
-            self._slab = None
-            return found
-
-    def give(self, slab: torch.Tensor) -> None:
-        """Keep ``slab`` (CPU bytes no transfer writes any more; results may still view them)."""
-        if slab.numel() <= KEPT_MAX_BYTES:
-            with self._lock:
-                self._slab = slab
-
-    def clear(self) -> None:
-        """Free the kept slab."""
-        with self._lock:
-            self._slab = None
 
 
 @attrs.frozen
@@ -109,22 +68,19 @@ class Lifetime:
     Groups reach torch's process groups only through it, so that once the block
     exits nothing pdist handed out keeps a destroyed group alive (torch 2.13 with
     gloo can abort at exit while one is referenced). ``partitions``: those built so far,
-    by their blocks (asking twice builds once).
+    by their blocks (asking twice builds once), and by name and blocks for the groups a user
+    names (one name, one communicator).
     """
 
     def __init__(self) -> None:
         self.closed = False
         self.in_flight = InFlight()
         self.subgroup_timeout: timedelta | None = None
-        self.partitions: dict[Blocks, Built] = {}
-        self.memory = KeptMemory()  # CPU memory the block's transfers take in turn
+        self.partitions: dict[Blocks | tuple[str, Blocks], Built] = {}
         # Check mode (distributed(check=True)): tensor collectives agree on their arguments first.
         self.check = False
         # Where a rank leaving the block records why (``_departures``): the store, its prefix.
         self.exit_records: tuple[Store, str] | None = None
-        # Per group name: the rows the last collate_batches had above this rank's samples
-        # (where the next one packs while the counts travel; a wrong guess packs again).
-        self.collate_padding: dict[str, int] = {}
         self._pgs: list[ProcessGroup] = []
         self._created: list[ProcessGroup] = []
         self._owns_default = False
@@ -170,7 +126,6 @@ class Lifetime:
             self.closed = True
             created, self._created, self._pgs = self._created, [], []
             self.partitions.clear()
-            self.memory.clear()
         if self._owns_default or created:
             before_destroying_groups()
         # Destroying the default group destroys every group torch knows of.

@@ -70,7 +70,8 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
     done = threading.Event()
 
     def read() -> None:
-        reader = _compat.store_connection(store) or store  # a file store reads as it is
+        bound = timedelta(seconds=_STORE_READ_SECONDS)
+        reader = _compat.store_connection(store, bound) or store  # a file store reads as is
         for start in range(0, len(keys), _CHECK_CHUNK):
             chunk = keys[start : start + _CHECK_CHUNK]
             if not reader.check(chunk):

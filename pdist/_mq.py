@@ -208,6 +208,8 @@ class _MessageQueue:
             except RemoteError:
                 raise  # a failure every rank received in step: the ring is still in order
             except BaseException as exc:
+                if exc is error:  # the writer's own error, sent as a marker: in step too
+                    raise
                 self._failure = f"{what} on rank {group.rank}: {type(exc).__name__}: {exc}"
                 raise
 

@@ -30,7 +30,6 @@ __all__ = [
     "broadcast_tensor_dict",
     "broadcast_tensors",
     "check_tensor_dict",
-    "stream",
 ]
 
 DEFAULT_MIN_TENSOR_BYTES = 1024  # smaller tensors travel inside the header message
@@ -72,7 +71,7 @@ def _broadcast(
     if failure is None:
         try:
             decoded = _payload.decode(body, source=source)
-            buffers = _payload.receive_buffers(decoded, group.device, group.lifetime.memory)
+            buffers = _payload.receive_buffers(decoded, group.device)
         except Exception as exc:
             failure = exc
     _agree.settle(group, failure, together=count > 0, what=what)
@@ -80,16 +79,13 @@ def _broadcast(
     if not decoded.buckets and not decoded.specs:  # a skeleton alone (most small objects)
         return loads(decoded.skeleton, [], [], safe=safe)  # type: ignore[arg-type]
     works = _broadcasts(group, src, decoded.buckets, buffers)
-    # The views are made while the buckets fill; unpickling waits for the data, since a
-    # leaf's __setstate__ may read its tensors. A late status says whether every bucket packed.
-    late, tensors = None, []
+    # The views are made while the buckets fill (a corrupt layout raises once they have);
+    # unpickling waits for the data, since a leaf's __setstate__ may read its tensors.
     try:
         tensors = _payload.tensors_of(decoded, buffers, group.device)
-    except Exception as exc:
-        late = exc
-    for work in works:
-        work.wait()
-    _agree.settle(group, late, together=decoded.late_status, what=what)
+    finally:
+        for work in works:
+            work.wait()
     return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)  # type: ignore[arg-type]
 
 
@@ -114,17 +110,12 @@ def _broadcast_out(
     min_tensor_bytes: int,
     what: str,
 ) -> Any:
-    """The source's half of :func:`_broadcast`: bucket k+1 is packed while bucket k moves."""
+    """The source's half of :func:`_broadcast`: buckets are packed while the receivers allocate."""
     try:
         if error is not None:
             raise error
-        encoded = _payload.encode(  # the receivers keep what they receive; the source, a ring
-            obj,
-            group.device,
-            min_tensor_bytes=min_tensor_bytes,
-            bucket_bytes=DEFAULT_BUCKET_BYTES,
-            ring=True,
-            kept=group.lifetime.memory,
+        encoded = _payload.encode(
+            obj, group.device, min_tensor_bytes=min_tensor_bytes, bucket_bytes=DEFAULT_BUCKET_BYTES
         )
     except Exception as exc:
         header(group, None, src, error=exc, what=what)
@@ -132,57 +123,19 @@ def _broadcast_out(
     header(group, encoded.body, src, what=what)
     if not encoded.buckets:
         return obj
-    early: BaseException | None = None
-    first = None
-    try:  # staging and the first bucket are ready before the status, so their failure travels
-        first = encoded.pack(0)
-    except Exception as exc:
-        early = exc
-    _agree.status(group, early, what=what)
-    works, failure = stream(
-        encoded,
-        lambda i, flat: _broadcasts(group, src, encoded.buckets[i : i + 1], [flat])[0],
-        [first],
-    )
-    for work in works:
+    packed, failure = pack_all(encoded)
+    _agree.status(group, failure, what=what)
+    for work in _broadcasts(group, src, encoded.buckets, packed):
         work.wait()
-    encoded.release()
-    # Without a late status the later buckets are lone tensors sent in place (no packing).
-    _agree.settle(group, failure, together=encoded.late_status, what=what)
     return obj
 
 
-def stream(
-    encoded: _payload.Encoded, send: Callable[[int, torch.Tensor], Any], packed: list[Any]
-) -> tuple[list[Any], BaseException | None]:
-    """Start ``send(i, buffer)`` (a work) for every bucket; the first are ``packed`` already.
-
-    Each later bucket is packed while the one before moves, once the bucket that last used
-    its ring buffer has moved. After a failure to pack every bucket still moves (unpacked
-    ones as zeros), so that the peers are not left waiting: returns the works still to wait
-    for and the failure, which the caller reports in a late status.
-    """
-    works: list[Any] = []
-    failure: BaseException | None = None
-    for i in range(len(encoded.buckets)):
-        if i < len(packed):
-            flat = packed[i]
-        else:
-            reused = encoded.after(i)
-            if reused is not None:  # each buffer is taken again once at most
-                works[reused].wait()
-                works[reused] = None  # gloo's send works wait for a second send when waited twice
-            if failure is None:
-                try:
-                    flat = encoded.pack(i)
-                except Exception as exc:
-                    failure = exc
-            if failure is not None:
-                flat = encoded.buffer(i)
-                if not encoded.lone(i):  # never this process's stale memory on the wire
-                    flat.zero_()
-        works.append(send(i, flat))
-    return [w for w in works if w is not None], failure
+def pack_all(encoded: _payload.Encoded) -> tuple[list[torch.Tensor], BaseException | None]:
+    """Every bucket of ``encoded`` packed (its staging is the source's own), or the failure."""
+    try:
+        return [encoded.pack(i) for i in range(len(encoded.buckets))], None
+    except Exception as exc:
+        return [], exc
 
 
 def broadcast_object(
@@ -314,52 +267,28 @@ def broadcast_tensor_dict(
 def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, what: str) -> None:
     """Broadcast ``tensors`` (of the same layout on every rank, so no header) from ``src``.
 
-    Each end stages at most :data:`~pdist._payload.RING` buckets per transport, so a model's
-    small tensors need no second copy of themselves. When a rank reuses a buffer, packing (on
-    the source) or unpacking (on the receivers) the bucket it held happens after the status,
-    and a late status says whether every rank could; when one could not, every rank raises,
-    and the receivers' tensors from that bucket on hold undefined bytes.
+    Buckets are staged (a lone contiguous tensor travels in place), every rank reports
+    whether it could stage (and the source pack) them, then they move and receivers copy
+    them into ``tensors``; a failure to copy raises on that receiver alone.
     """
     group.global_rank(src)
     is_src = group.rank_in_group == src
     fills: list[_payload.Fill] = []
-    staged = _payload.Staging([], [], [])
-    buffers: dict[int, torch.Tensor] = {}
+    staged: _payload.Staging = []
+    buffers: list[torch.Tensor] = []
     failure: BaseException | None = None
     try:
         for t in tensors:
             _payload.place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
-        sizes, kept = [f.size for f in fills], group.lifetime.memory
-        staged = _payload.staging(fills, sizes, receiving=not is_src, ring=True, kept=kept)
-        for i, (fill, flat) in enumerate(zip(fills, staged.buffers, strict=True)):
-            if staged.after[i] is None:  # the others are packed once their buffer is free
-                buffers[i] = fill.pack(flat) if is_src else fill.receive_buffer(flat)
+        staged = _payload.staging(fills, [f.size for f in fills], receiving=not is_src)
+        for fill, flat in zip(fills, staged, strict=True):
+            buffers.append(fill.pack(flat) if is_src else fill.receive_buffer(flat))
     except Exception as exc:
         failure = exc
-    freed = {after for after in staged.after if after is not None}  # buckets whose buffer is reused
-    late = bool(freed)
-    if fills or failure is not None:  # with whether any rank reuses a buffer (then: late)
-        late = not _agree.status(group, failure, what=what, summary=str(late)) or late
-    works: list[Any] = []
-    for i, after in enumerate(staged.after):
-        if after is not None:  # bucket i reuses the buffer of bucket ``after``, once it moved
-            works[after].wait()
-            buffers[i] = staged.buffers[i]  # type: ignore[assignment]  # a staged one
-            try:  # after a failure every bucket still moves, then the late status raises
-                if failure is None and is_src:
-                    fills[i].pack(buffers[i])
-                elif failure is None:
-                    fills[after].unpack(buffers[after])
-            except Exception as exc:
-                failure = exc
-        works += _broadcasts(group, src, [fills[i]], [buffers[i]])
-    for i, work in enumerate(works):
+    _agree.settle(group, failure, together=bool(fills) or failure is not None, what=what)
+    for work in _broadcasts(group, src, fills, buffers):
         work.wait()
-        staged_here = staged.buffers[i] is not None  # (a lone tensor is received in place)
-        try:
-            if failure is None and not is_src and staged_here and i not in freed:
-                fills[i].unpack(buffers[i])
-        except Exception as exc:
-            failure = exc
-    _payload.release(staged, group.lifetime.memory)
-    _agree.settle(group, failure, together=late, what=what)
+    if not is_src:
+        for fill, flat, own in zip(fills, buffers, staged, strict=True):
+            if own is not None:  # (a lone tensor was received in place)
+                fill.unpack(flat)

@@ -1,9 +1,8 @@
 """Point-to-point objects and tensor dicts: header, the receiver's answer, then buckets.
 
-The receiver answers the header (``_agree.tell``) before any bucket moves, so
-that its failure to decode or allocate reaches the sender instead of leaving
-it waiting. A sender that packs buckets after the answer (two staging buffers
-per transport, ``_objects.stream``) tells the receiver after them whether it could.
+The sender packs every bucket before the header, so that its failure travels in
+it; the receiver answers the header (``_agree.tell``) before any bucket moves, so
+that its failure to decode or allocate reaches the sender instead of leaving it waiting.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from ._buffers import ALIGN
 from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._objects import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, check_tensor_dict, stream
+from ._objects import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, check_tensor_dict
 from ._payload import Decoded, bucket_count, decode, encode, receive_buffers, tensors_of
 from ._serialize import Safe, loads, safe_or_error
 
@@ -59,12 +58,8 @@ def _send_payload(
             bucket_bytes=DEFAULT_BUCKET_BYTES,
             pad_to=parts * ALIGN if parts > 1 else 1,
             split=parts,
-            ring=parts == 1,  # the receivers of a stage could not agree on a late failure
         )
-        # Packed before the header, so that a failure travels in it: the first bucket, or
-        # every bucket when the later ones have no late status.
-        ahead = 1 if encoded.late_status else len(encoded.buckets)
-        packed = [encoded.pack(i) for i in range(min(ahead, len(encoded.buckets)))]
+        packed = [encoded.pack(i) for i in range(len(encoded.buckets))]  # a failure travels
     except Exception as exc:
         _wire.send_bytes(g, None, peer, error=exc, what=what)
         raise  # unreachable: send_bytes raised
@@ -72,16 +67,12 @@ def _send_payload(
     if not encoded.buckets:
         return
     _agree.hear(g, peer, what=what)  # the receiver's status: raises if it failed
-
-    def send(i: int, flat: torch.Tensor) -> Any:
-        transport = g.transport(encoded.buckets[i].kind)
-        return dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=transport)
-
-    works, failure = stream(encoded, send, packed)
+    works: list[Any] = [
+        dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=g.transport(b.kind))
+        for b, flat in zip(encoded.buckets, packed, strict=True)
+    ]
     for work in works:
         work.wait()
-    if encoded.late_status:  # else every bucket was packed before the header
-        _agree.tell(g, peer, failure, what=what)
 
 
 def _recv_payload(
@@ -120,7 +111,7 @@ def _recv_payload(
                     "all_gather_groups of the same size on both sides (or None on both)"
                 )
                 raise ValueError(msg)
-            buffers = receive_buffers(decoded, g.device, g.lifetime.memory)
+            buffers = receive_buffers(decoded, g.device)
             tensors = tensors_of(decoded, buffers, g.device)
         except Exception as exc:
             error = exc
@@ -136,8 +127,6 @@ def _recv_payload(
         dist.recv(part, src=g.ranks[peer], group=g.transport(bucket.kind))
         if stage is not None:
             all_gather_into(data, part, stage.transport(bucket.kind))
-    if decoded.late_status:  # whether the sender could pack every bucket
-        _agree.hear(g, peer, what=what)
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)
 
 

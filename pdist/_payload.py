@@ -19,25 +19,22 @@ import attrs
 import torch
 
 from . import _plain, _seams
-from ._buffers import ALIGN, Kept, aligned, bytes_of, resolved, slab, tensor_bytes
+from ._buffers import ALIGN, aligned, bytes_of, resolved, slab, tensor_bytes
 from ._errors import PdistError
 from ._serialize import TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
 
 __all__ = [
     "KINDS",
-    "RING",
     "Bucket",
     "Decoded",
     "Encoded",
     "Fill",
-    "Staging",
     "bucket_count",
     "decode",
     "encode",
     "materialize",
     "place",
     "receive_buffers",
-    "release",
     "staging",
     "tensors_of",
     "transport_device",
@@ -49,7 +46,7 @@ GRAD, PARAM, DEVICE, STORAGE = 1, 2, 4, 8  # header flags
 _PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
 _MAGIC = b"pdP1"
 _LEAN = b"pdP0"  # a body of only a skeleton (no tensors): the magic, then the pickle
-_FIELDS = {"s", "d", "b", "t", "z", "k"}  # skeleton length, dtypes, buckets, tensors, status, parts
+_FIELDS = {"s", "d", "b", "t", "k"}  # skeleton length, dtypes, buckets, tensors, parts
 _MAX_DIMS = 64
 _JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # ours has no cycle
 _JSON_IN = json.JSONDecoder()  # json.loads detects the bytes' encoding in Python first
@@ -185,92 +182,39 @@ def place(
     return index, offset
 
 
-RING = 2  # staging buffers per transport kind when a transfer reuses them (see staging)
-
-
-class Staging(NamedTuple):
-    """Buffers of buckets (None: a lone tensor's own memory).
-
-    ``after[i]``: the bucket whose transfer must end before bucket ``i``'s buffer is
-    written, as the two share memory (None: no such bucket). ``memory``: the slabs.
-    """
-
-    buffers: list[torch.Tensor | None]
-    after: list[int | None]
-    memory: list[torch.Tensor]
+Staging = list[torch.Tensor | None]  # buffers of buckets (None: a lone tensor's own memory)
 
 
 def _slabs(
-    places: Sequence[tuple[str, torch.device] | None],
-    sizes: Sequence[int],
-    what: str,
-    ring: bool = False,
-    kept: Kept | None = None,
-    lend: bool = False,
+    places: Sequence[tuple[str, torch.device] | None], sizes: Sequence[int], what: str
 ) -> Staging:
-    """Buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind (None: none).
-
-    ``ring``: the slab holds :data:`RING` buffers, taken in turn by the kind's buckets.
-    ``kept``, ``lend``: as for :func:`~pdist._buffers.allocate`.
-    """
-    out = Staging([None] * len(sizes), [None] * len(sizes), [])
+    """Fresh buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind."""
+    out: Staging = [None] * len(sizes)
     for kind in KINDS:
         members = [(i, p[1]) for i, p in enumerate(places) if p is not None and p[0] == kind]
-        if not members:
-            continue
-        slots = min(len(members), RING) if ring else len(members)
-        tops = [max(sizes[i] for i, _ in members[s::slots]) for s in range(slots)]
-        whole, flats = slab(tops, members[0][1], what=what, kept=kept, lend=lend)
-        out.memory.append(whole)
-        for j, (i, _) in enumerate(members):
-            out.buffers[i] = flats[j % slots][: sizes[i]]
-            out.after[i] = members[j - slots][0] if j >= slots else None
+        if members:
+            _, flats = slab([sizes[i] for i, _ in members], members[0][1], what=what)
+            for (i, _), flat in zip(members, flats, strict=True):
+                out[i] = flat
     return out
 
 
-def staging(
-    fills: Sequence[Fill],
-    sizes: Sequence[int],
-    *,
-    receiving: bool = False,
-    ring: bool = False,
-    kept: Kept | None = None,
-) -> Staging:
-    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's.
-
-    ``ring``: at most :data:`RING` buffers per transport kind, so that a transfer of many
-    buckets stages at most ``RING`` of them at a time (see :class:`Staging`). ``kept``: CPU
-    memory to take, and to give the slabs back to with :func:`release`.
-    """
+def staging(fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False) -> Staging:
+    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's."""
     places = [
         None if f.lone(n, receiving=receiving) else (f.kind, f.device)
         for f, n in zip(fills, sizes, strict=True)
     ]
-    return _slabs(places, sizes, "staging", ring, kept)
-
-
-def release(staged: Staging, kept: Kept | None) -> None:
-    """Give ``staged``'s CPU slabs to ``kept``, for a later transfer to take once free."""
-    if kept is not None:
-        for whole in staged.memory:
-            if whole.is_cpu:
-                kept.give(whole)
+    return _slabs(places, sizes, "staging")
 
 
 @attrs.define
 class Encoded:
-    """A message body and the buckets that follow it (``late_status``: a status follows them).
-
-    ``ring``: the send buffers are a :data:`RING` per transport (see :meth:`after`);
-    ``kept``: where their CPU memory comes from and goes back to (:meth:`release`).
-    """
+    """A message body and the buckets that follow it; the send buffers are staged on first use."""
 
     body: bytes
     buckets: list[Bucket]
     fills: list[Fill]
-    late_status: bool = False
-    ring: bool = False
-    kept: Kept | None = None
     _staging: Staging | None = None
 
     def lone(self, index: int) -> bool:
@@ -279,26 +223,12 @@ class Encoded:
 
     def _staged(self) -> Staging:
         if self._staging is None:  # allocated on first use
-            sizes = [b.nbytes for b in self.buckets]
-            self._staging = staging(self.fills, sizes, ring=self.ring, kept=self.kept)
+            self._staging = staging(self.fills, [b.nbytes for b in self.buckets])
         return self._staging
-
-    def release(self) -> None:
-        """Give the send buffers back to ``kept``, once every send of them has ended."""
-        if self._staging is not None:
-            release(self._staging, self.kept)
-
-    def after(self, index: int) -> int | None:
-        """The bucket whose send must end before bucket ``index`` is packed (None: none)."""
-        return self._staged().after[index]
-
-    def buffer(self, index: int) -> torch.Tensor:
-        """Bucket ``index``'s send buffer, not packed."""
-        return self.fills[index].receive_buffer(self._staged().buffers[index])
 
     def pack(self, index: int) -> torch.Tensor:
         """The flat uint8 buffer of bucket ``index``, packed."""
-        return self.fills[index].pack(self._staged().buffers[index])
+        return self.fills[index].pack(self._staged()[index])
 
 
 def encode(
@@ -309,15 +239,8 @@ def encode(
     bucket_bytes: int = 1 << 62,
     pad_to: int = 1,
     split: int = 1,
-    ring: bool = False,
-    kept: Kept | None = None,
 ) -> Encoded:
-    """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``.
-
-    ``ring``: stage the buckets :data:`RING` at a time (see :meth:`Encoded.after`); a later
-    bucket is then packed after the header has gone, so a late status follows the buckets.
-    ``kept``: staging memory to take (see :meth:`Encoded.release`).
-    """
+    """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``."""
     skeleton, entries = dumps(obj)
     if not entries:
         return Encoded(_LEAN + skeleton, [], [])
@@ -343,13 +266,12 @@ def encode(
         code = dtypes.setdefault(t.dtype, len(dtypes))
         records.append([code, flags, bucket, offset, t.shape])  # a tuple: JSON writes a list
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
-    late = ring and any(not f.lone(b.nbytes) for f, b in zip(fills[1:], buckets[1:], strict=True))
     names = [dtype_name(d) for d in dtypes]
     header = {"s": len(skeleton), "d": names, "b": [list(b) for b in buckets]}
-    header.update({"t": records, "z": int(late), "k": split})
+    header.update({"t": records, "k": split})
     data = _JSON.encode(header).encode()
     body = b"".join([_PREFIX.pack(_MAGIC, len(data), len(buckets)), data, skeleton, *inline])
-    return Encoded(body, buckets, fills, late_status=late, ring=ring, kept=kept)
+    return Encoded(body, buckets, fills)
 
 
 def _corrupt(source: str, detail: str) -> PdistError:
@@ -377,7 +299,6 @@ class Decoded(NamedTuple):
     places: list[tuple[int, int, int]]  # (bucket, byte offset, elements); bucket -1: inline
     buckets: list[Bucket]
     blob: bytes
-    late_status: bool = False
     split: int = 1
 
 
@@ -402,11 +323,9 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
         # Checked here, not on every header: the fields' own checks refuse deeper nesting.
         if _plain.deeper_than(header, 4):
             raise _corrupt(source, "the header nests too deeply")
-        raise _corrupt(source, "the header does not have the fields s, d, b, t, z, k")
+        raise _corrupt(source, "the header does not have the fields s, d, b, t, k")
     if not _is_int(header["k"], 1):
         raise _corrupt(source, f"split {header['k']!r:.40}")
-    if type(header["z"]) is not int or header["z"] not in (0, 1) or (header["z"] and count < 2):
-        raise _corrupt(source, f"late status flag {header['z']!r:.40} with {count} buckets")
     if not _is_int(header["s"]) or start + header["s"] > len(body):
         raise _corrupt(source, f"skeleton length {header['s']!r:.40}")
     if not isinstance(header["d"], list) or not isinstance(header["t"], list):
@@ -490,7 +409,7 @@ def _record(
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
     """Parse a message body, checking every field (a bad one raises :class:`~pdist.PdistError`)."""
     if body[:4] == _LEAN:
-        return Decoded(body[4:], [], [], [], [], b"", False, 1)
+        return Decoded(body[4:], [], [], [], [], b"", 1)
     try:
         count = bucket_count(body, source=source)
         header, start = _header(body, count, source)
@@ -515,23 +434,19 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         if not end <= b.nbytes < end + slack:
             raise _corrupt(source, f"bucket {i} of {b.nbytes} bytes for tensors ending at {end}")
     skeleton = body[start : start + header["s"]]
-    return Decoded(skeleton, specs, storage, places, buckets, blob, bool(header["z"]), header["k"])
+    return Decoded(skeleton, specs, storage, places, buckets, blob, header["k"])
 
 
-def receive_buffers(
-    decoded: Decoded, device: torch.device, kept: Kept | None = None
-) -> list[torch.Tensor]:
-    """Receive buffers for the buckets of ``decoded`` (one slab per transport).
+def receive_buffers(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:
+    """Fresh receive buffers for the buckets of ``decoded`` (one slab per transport).
 
-    ``kept``: CPU memory to take, and to lend the slabs to: a later transfer takes them
-    again once no tensor received into them lives.
+    The received tensors are views of them: the results own this memory.
     """
     if not decoded.buckets:
         return []  # a small object: no torch call at all
     places = [(b.kind, transport_device(b.kind, device)) for b in decoded.buckets]
     sizes = [b.nbytes for b in decoded.buckets]
-    staged = _slabs(places, sizes, "the received tensors", kept=kept, lend=True)
-    return staged.buffers  # type: ignore[return-value]
+    return _slabs(places, sizes, "the received tensors")  # type: ignore[return-value]
 
 
 def _slices(

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat
-from ._errors import PdistError, translated
+from ._errors import PdistError, raised_as_is
 
 __all__ = [
     "PROTOCOL",
@@ -161,7 +161,12 @@ def _small_and_builtin(obj: Any) -> bool:
 
 
 def dumps(obj: Any) -> tuple[bytes, list[tuple[torch.Tensor, bool]]]:
-    """The skeleton of ``obj`` and what it set aside; a TypeError if it cannot be pickled."""
+    """The skeleton of ``obj`` and what it set aside.
+
+    Raises:
+        pickle.PicklingError | AttributeError | TypeError: ``obj`` cannot be pickled: what
+            pickle raised, of its type, with the fix added to its message.
+    """
     if _small_and_builtin(obj):
         # torch's pickler hook runs in Python for every object; a small config has no tensor.
         return pickle.dumps(obj, protocol=PROTOCOL), []
@@ -169,13 +174,17 @@ def dumps(obj: Any) -> tuple[bytes, list[tuple[torch.Tensor, bool]]]:
     pickler = _Pickler(buf)
     try:
         pickler.dump(obj)
-    except (pickle.PicklingError, AttributeError) as exc:
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
         msg = (
             f"cannot pickle the object: {exc}; objects travel as pickles, which name their "
             "classes and functions: define those at module level (not as lambdas or inside "
             "functions), or send plain data"
         )
-        raise translated(exc, TypeError, msg) from exc
+        try:
+            hinted = type(exc)(msg)
+        except Exception:  # a type whose constructor wants other arguments
+            raise raised_as_is(exc) from None
+        raise raised_as_is(hinted) from exc
     return buf.getvalue(), pickler.entries
 
 

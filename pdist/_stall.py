@@ -55,9 +55,9 @@ _RECORDER_ENTRIES = 2000  # torch's own default where it records by default (2.1
 _MAX_FRAMES, _MAX_STACK_BYTES = 24, 3072
 _MAX_GROUPS, _MAX_SIZES = 16, 4
 _CHUNK = 512  # store keys per round trip
-_FOREVER = timedelta(days=1)  # a wait that only the store's own keys end
 _GRACE = 10.0  # seconds a rank waits for the verdict past the answer wait
 _LINGER = 2.0  # seconds a store-hosting rank serves before an exit
+_STOP_SECONDS = 5.0  # how long leaving the block waits for the store (a live one: milliseconds)
 _LIBRARY = ("torch/", "pdist/")
 _ROOTS = sorted(
     {os.path.dirname(os.path.dirname(os.path.abspath(m.__file__ or ""))) for m in (torch, _compat)},
@@ -270,7 +270,12 @@ class Watch:
         self.rank, self.world_size = rank, world_size
         self.stall_timeout, self.on_stall, self.answer = stall_timeout, on_stall, answer
         self._lifetime, self._hosts_store, self._prefix = lifetime, hosts_store, f"{prefix}/stall"
-        self._base, self._store = store, PrefixStore(f"{prefix}/stall", store)
+        self._base = store
+        self._control: Store | None = None  # stop's connection to the store
+        # Every store call of the watch is bounded by this (principle 15): a store whose host
+        # is gone without closing the connection answers nothing, and a thread must not wait
+        # on it for the store's own timeout, nor hold the block's exit.
+        self._bound = timedelta(seconds=answer + _GRACE)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._phase: tuple[str, int] = ("wake", 1)  # the key the answering thread waits on
@@ -293,7 +298,7 @@ class Watch:
 
     def _connection(self) -> Store | None:
         try:
-            conn = _compat.store_connection(self._base)
+            conn = _compat.store_connection(self._base, self._bound)
         except Exception:  # the store refuses a second client: this rank reports alone
             logger.debug("pdist: rank %d: no second store connection", self.rank, exc_info=True)
             return None
@@ -310,6 +315,7 @@ class Watch:
             logger.warning(msg, self.rank, _compat.FEATURES.flight_recorder_env)
         conn = self._connection()
         if conn is not None:
+            self._control = self._connection()
             self._spawn("pdist-stall-answer", self._listen, conn)
         self._spawn("pdist-stall", self._watch)
 
@@ -319,23 +325,34 @@ class Watch:
         self._threads.append(thread)
 
     def stop(self) -> None:
-        """Wake both threads, join them and delete this rank's keys; no collective."""
+        """Wake both threads, join them and delete this rank's keys; no collective.
+
+        Bounded (principle 15): torch's store client can wait forever on a store whose host
+        is gone without closing the connection, so every store call here runs in a daemon
+        thread waited on for a few seconds at most; the watch's own threads are daemons
+        too, and a store that does not answer leaves them behind rather than the process.
+        """
         self._lifetime.in_flight.active = False
         with self._lock:
             self._stopping.set()
             phase, k = self._phase
         key = f"{phase}/{self.rank}/{k}"  # the key the answering thread waits on
-        if len(self._threads) > 1:
-            with contextlib.suppress(Exception):  # a store gone with its host: the thread ended too
-                self._store.set(key, "exit")
-                self._mine.add(key)
+        control, bound = self._control, min(self._bound.total_seconds(), _STOP_SECONDS)
+
+        def wake() -> None:
+            assert control is not None
+            control.set(key, "exit")
+            control.check([key])  # a round trip: the store answers
+
+        answers = control is not None and _bounded(wake, bound)
+        self._mine.add(key)
         for thread in self._threads:
-            thread.join(timeout=self.answer + _GRACE)
-            if thread.is_alive():
+            thread.join(timeout=bound if answers else 0.5)
+            if thread.is_alive() and answers:
                 logger.warning("pdist: rank %d: the %s thread did not end", self.rank, thread.name)
-        with contextlib.suppress(Exception):
-            for key in sorted(self._mine):
-                self._store.delete_key(key)
+        if answers and control is not None:
+            keys = sorted(self._mine)
+            _bounded(lambda: [control.delete_key(key) for key in keys], bound)
 
     # ------------------------------------------------------------------ polling side
 
@@ -427,10 +444,10 @@ class Watch:
         k = 1
         while not self._stopping.is_set():
             try:
-                woken = self._wait(conn, "wake", k, _FOREVER)
+                woken = self._wait(conn, "wake", k, self._bound)
             except OSError:
-                if _answers(conn):
-                    continue  # a day without a stall: wait again
+                if not self._stopping.is_set() and _answers(conn):
+                    continue  # no stall within the bound: wait again
                 # The store is gone: the polling thread reports alone from now on.
                 logger.debug(
                     "pdist: rank %d: the stall watch lost its store", self.rank, exc_info=True
@@ -485,6 +502,19 @@ class Watch:
             conn.add(f"exiting/{k}", 1)
             while conn.add(f"exiting/{k}", 0) < told and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+def _bounded(call: Callable[[], object], seconds: float) -> bool:
+    """Run ``call`` in a daemon thread; whether it returned within ``seconds`` without raising."""
+    done = threading.Event()
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # a store gone with its host
+            call()
+            done.set()
+
+    threading.Thread(target=run, name="pdist-stall-store", daemon=True).start()
+    return done.wait(seconds)
 
 
 def _answers(conn: Store) -> bool:

@@ -113,7 +113,8 @@ def _create(
     """The device and CPU process groups of the caller's block ``mine``."""
     world_device = world.device_group
     # An accelerator-bound default group splits every block's device group in one call.
-    if world.device.type != "cpu" and _compat.bound_device(world_device) is not None:
+    bound = world.device.type != "cpu" and _compat.bound_device(world_device) is not None
+    if bound and _compat.FEATURES.split_group:
         device_pg = _compat.split_group(world_device, blocks, timeout=timeout, name=name)
         if device_pg is None:  # every rank is in a block (see _complete)
             msg = f"split_group gave rank {world.rank} no group for partition {name!r}"
@@ -126,17 +127,25 @@ def _create(
 
 
 def build_partition(
-    world: Group, name: str, blocks: Sequence[Sequence[int]], *, timeout: timedelta
+    world: Group,
+    name: str,
+    blocks: Sequence[Sequence[int]],
+    *,
+    timeout: timedelta,
+    named: bool = False,
 ) -> Group | None:
     """The caller's Group of a partition of the world into ``blocks``; None if it is in none.
 
     ``blocks``: disjoint lists of global ranks, the same on every rank (not checked here).
-    A partition built before is reused, with the timeout it was built with.
+    A partition built before is reused, with the timeout it was built with; ``named``: only
+    one built under the same ``name`` (a user's group: its traffic never shares a
+    communicator with another name's, principle 14).
     """
     lifetime = world.lifetime
     lifetime.check_open()
     canonical: Blocks = tuple(tuple(int(r) for r in b) for b in blocks)
-    built = lifetime.partitions.get(canonical)
+    key = (name, canonical) if named else canonical
+    built = lifetime.partitions.get(key)
     if built is None:
         full, extra = _complete(canonical, world.world_size)
         mine = next(block for block in full if world.rank in block)  # _complete covers every rank
@@ -144,7 +153,7 @@ def build_partition(
         device_key = lifetime.add(device_pg, created=True)
         cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
         built = Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
-        lifetime.partitions[canonical] = built
+        lifetime.partitions[key] = built
     return _member(name, built, world.rank, world.device, lifetime) if built.member else None
 
 
@@ -234,14 +243,16 @@ def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) ->
     label = name if isinstance(name, str) and name else default
     _agree.check_same(ctx.world, f"new group {label!r}", f"size={size!r}", error)
     timeout = _subgroup_timeout(ctx)
-    return _require(build_partition(ctx.world, label, blocks, timeout=timeout), label)
+    group = build_partition(ctx.world, label, blocks, timeout=timeout, named=True)
+    return _require(group, label)
 
 
 def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
     """Build tensor-parallel groups of ``size`` consecutive ranks over the whole world.
 
     For a second model with another TP degree (use it with :func:`patch_tp`). Asking
-    twice for one size reuses the communicators; they live until the block exits.
+    twice for one size and name reuses the communicators; another name gets its own
+    (traffic on two names never interleaves). They live until the block exits.
 
     Note:
         Every rank of the world must call it, in the same order as other
@@ -311,7 +322,9 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
 
     For pipeline stages, classifier-free-guidance pairs, strided groups. Lists must be
     disjoint and increasing (torch orders a group's members by global rank), and may
-    leave ranks out.
+    leave ranks out. One name is one communicator: a name gets its own process groups
+    even over ranks another group holds (so two threads can use them at once), and the
+    same name and lists again return the cached group.
 
     Note:
         Every rank of the world must call it with the same lists, in the
@@ -347,7 +360,7 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
     _agree.check_same(ctx.world, f"new_group(name={name!r})", repr(blocks), error)
-    return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx))
+    return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx), named=True)
 
 
 def _flatten_axes(ctx: DistContext, axes: tuple[object, ...]) -> tuple[str, ...]:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from . import _agree
-from ._buffers import bytes_of
 from ._compat import all_gather_into
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
@@ -82,7 +81,7 @@ def _gather_records(group: Group, mine: bytes) -> bytes:
         return mine
     out = torch.empty(group.world_size * RECORD_BYTES, dtype=torch.uint8)
     all_gather_into(out, torch.frombuffer(bytearray(mine), dtype=torch.uint8), group.cpu_group)
-    return bytes_of(out)
+    return out.numpy().tobytes()
 
 
 def _parse(group: Group, data: bytes) -> list[tuple[bytes, str, str]]:

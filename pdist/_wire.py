@@ -155,30 +155,14 @@ def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
 
 @recorded("all_gather")
 def all_gather_bytes(
-    group: Group,
-    payload: bytes | None,
-    *,
-    error: BaseException | None = None,
-    what: str,
-    meanwhile: Callable[[], object] | None = None,
+    group: Group, payload: bytes | None, *, error: BaseException | None = None, what: str
 ) -> list[bytes]:
-    """Every rank's ``payload`` in group order; a rank's ``error`` raises on every rank.
-
-    ``meanwhile`` runs while the first chunks travel: local work that must not raise
-    (this rank's status has left), overlapping the round trip.
-    """
+    """Every rank's ``payload`` in group order; a rank's ``error`` raises on every rank."""
     message = frame(payload, error, group.rank)
     size, pg = FIRST_MESSAGE_BYTES, group.cpu_group
     firsts = [torch.empty(size, dtype=torch.uint8) for _ in group.ranks]
     first = filled(message[:size], size, what=None)
-    if meanwhile is None:
-        dist.all_gather(firsts, first, group=pg)
-    else:
-        work = dist.all_gather(firsts, first, group=pg, async_op=True)
-        try:
-            meanwhile()
-        finally:  # the gather never stays in flight unwaited
-            work.wait()
+    dist.all_gather(firsts, first, group=pg)
     lengths = [HEADER.size + HEADER.unpack(bytes_of(f, HEADER.size))[1] for f in firsts]
     rest = max(lengths) - size
     rests: list[torch.Tensor] = []

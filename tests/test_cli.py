@@ -65,7 +65,8 @@ def test_doctor_names_the_failing_check():
         ["doctor", "--nproc", "-3"],
         ["doctor", "--nproc", "two"],
         ["bench", "--nproc", "0"],
-        ["bench", "--stall-overhead", "--runs", "0"],
+        ["bench", "--stall-overhead"],
+        ["bench", "--simulate-world", "default"],
         ["frobnicate"],
         ["bench", "--fast"],
         [],
@@ -124,7 +125,7 @@ def test_bench_quick_writes_every_figure(tmp_path, capsys):
 
 def test_stall_overhead_table():
     """--stall-overhead prints each case's medians, the median pair ratio and the watch's CPU."""
-    from pdist.cli.stall import format_overhead
+    from benchmarks.stall import format_overhead
 
     report = {
         "world_size": 2,

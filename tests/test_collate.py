@@ -235,10 +235,7 @@ def test_large_outputs_gather_rows_in_dataset_order(ctx):
 
 @world_sizes(2, 3)
 def test_calls_in_a_row_whose_counts_change(ctx):
-    """Calls whose counts differ from the last call's come back right, results kept or not.
-
-    The first gather is packed while the counts travel, on the last call's rows.
-    """
+    """Calls whose counts differ from the last call's come back right, results kept or not."""
     leaves = {f"leaf{k}": (64, torch.float32) for k in range(6)} | {"index": (1, torch.int64)}
     kept = []
     for n, size in enumerate((3001, 3000, 3002, 3002, 2999, 7, 3001, 3003)):

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import warnings
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +23,28 @@ from pdist import _compat
 from pdist.testing import world_sizes
 
 OLD = _compat.TORCH < (2, 13)
+
+
+def _without(**missing: bool) -> _compat.Features:
+    return attrs.evolve(_compat.FEATURES, **missing)
+
+
+def test_a_torch_without_a_probed_feature_gets_a_pdist_error(monkeypatch):
+    """split_group and DeviceMesh.from_group missing: one clear PdistError, never AttributeError."""
+    monkeypatch.setattr(_compat, "FEATURES", _without(split_group=False))
+    with pytest.raises(pdist.PdistError, match=r"split_group needs a newer torch; this is torch"):
+        _compat.split_group(None, [[0]], timeout=None, name="x")
+    monkeypatch.setattr(_compat, "FEATURES", _without(device_mesh_from_group=False))
+    with pytest.raises(pdist.PdistError, match=r"device_mesh \(DeviceMesh.from_group\) needs"):
+        _compat.device_mesh_from_group([], "cpu", torch.zeros(1), ("dp",))
+
+
+def test_a_torch_without_the_accelerator_api_asks_cuda(monkeypatch):
+    """Without torch.accelerator the accelerator is CUDA's, if any; CPU sync is a no-op."""
+    monkeypatch.setattr(_compat, "FEATURES", _without(accelerator_api=False))
+    expected = ("cuda", torch.cuda.device_count()) if torch.cuda.is_available() else None
+    assert _compat.accelerator() == expected
+    _compat.synchronize(torch.device("cpu"))
 
 
 def test_the_probe_names_what_this_torch_offers():

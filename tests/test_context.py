@@ -225,10 +225,10 @@ def _timeouts() -> tuple[float, ...]:
 def test_timeouts_reach_world_and_subgroups():
     """timeout= sets the world's timeout; PDIST_SUBGROUP_TIMEOUT_SEC the subgroups'.
 
-    A subgroup spanning the world (dp with tp = sp = 1) is the world's communicator
-    and says so: its timeout is the world's.
+    An axis spanning the world (dp with tp = sp = 1) is the world's communicator and
+    says so: its timeout is the world's. A group the user names has its own.
     """
-    assert spawn(_timeouts, 2, timeout=60) == [(42.0, 7.0, 42.0, 42.0, 7.0)] * 2
+    assert spawn(_timeouts, 2, timeout=60) == [(42.0, 7.0, 42.0, 7.0, 7.0)] * 2
 
 
 @world_sizes(4)

@@ -66,11 +66,7 @@ def _bol_pack_fails(ctx):
 
 
 def _bol_late_pack_fails(ctx, numels=(9 << 18, 9 << 18, 512), from_index=1):
-    """Packing bucket ``from_index`` fails on the source while earlier ones are on the wire.
-
-    By default the second bucket (9 MiB and 2 KiB); with 40 tensors of 1 MiB (buckets of 16,
-    16 and 8 MiB) and ``from_index=2``, the third, which waits for the first to leave its buffer.
-    """
+    """Packing bucket ``from_index`` (default: the second, 9 MiB and 2 KiB) fails on the source."""
     objs = [[torch.ones(n) for n in numels]] if ctx.rank == 0 else [None]
     if ctx.rank != 0:
         pdist.broadcast_object_list(ctx, objs)
@@ -219,17 +215,6 @@ def _broadcast_large_source_cannot_allocate(ctx):
         pdist.broadcast_object(ctx, None)
 
 
-def _bol_kept_staging_cannot_allocate(ctx):
-    """The source's staging is kept from a first call; taking it again still can fail."""
-    for attempt in range(2):
-        objs = [[torch.ones(1 << 18) for _ in range(40)]] if ctx.rank == 0 else [None]
-        if attempt == 1 and ctx.rank == 0:
-            with _buckets_cannot_allocate():
-                pdist.broadcast_object_list(ctx, objs)
-        else:
-            pdist.broadcast_object_list(ctx, objs)
-
-
 def _mq_large_receiver_cannot_allocate(ctx):
     """A message larger than a slot goes over the CPU group; a reader cannot allocate it."""
     with pdist.message_queue(ctx.world, chunk_bytes=1 << 16) as group:
@@ -283,15 +268,12 @@ def _late(fn, world_size: int, **payload) -> Case:
     return Case(call, world_size, 0, RuntimeError, re.escape("simulated late packing failure"))
 
 
-RING = {"numels": [1 << 18] * 40, "from_index": 2}  # the third of 16, 16, 8 MiB: a reused buffer
-
 CASES = {
     # name: the call, world size, the bad rank, the error type on every rank, the text
     "broadcast_large_receiver_cannot_allocate": _oom(
         _broadcast_large_receiver_cannot_allocate, 3, 1
     ),
     "broadcast_large_source_cannot_allocate": _oom(_broadcast_large_source_cannot_allocate, 3, 0),
-    "bol_kept_staging_cannot_allocate": _oom(_bol_kept_staging_cannot_allocate, 3, 0),
     "mq_large_receiver_cannot_allocate": _oom(_mq_large_receiver_cannot_allocate, 3, 1),
     "all_gather_large_cannot_allocate": _oom(_all_gather_large_cannot_allocate, 3, 1),
     "gather_large_destination_cannot_allocate": _oom(
@@ -303,9 +285,7 @@ CASES = {
         _bol_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
     ),
     "bol_late_pack_fails": _late(_bol_late_pack_fails, 3),
-    "bol_ring_pack_fails": _late(_bol_late_pack_fails, 3, **RING),
     "send_late_pack_fails": _late(_send_late_pack_fails, 2),
-    "send_ring_pack_fails": _late(_send_late_pack_fails, 2, **RING),
     "mq_tensor_dict_pack_fails": Case(
         _mq_tensor_dict_pack_fails, 3, 0, RuntimeError, re.escape("simulated packing failure")
     ),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import timedelta
 
 import pytest
@@ -226,3 +228,47 @@ def test_guard_check_in_is_under_the_deadline():
     assert out.returncode == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE, out.stderr
     assert "while checking in with the rendezvous store" in out.stderr
     assert "INSIDE" not in out.stdout
+
+
+FROZEN_STORE_HOST = """
+    import os, signal, time, torch
+    # Launched as srun does: rank 0 hosts the rendezvous store.
+    rank = os.environ.pop("RANK")
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
+    os.environ.update(SLURM_PROCID=rank, SLURM_NTASKS=os.environ.pop("WORLD_SIZE"),
+                      SLURM_LOCALID=os.environ.pop("LOCAL_RANK"),
+                      MASTER_PORT=os.environ["PDIST_TEST_PORT"])
+    import pdist
+    start = time.time()
+    try:
+        with pdist.distributed(timeout=5, stall_timeout=60) as ctx:
+            with pdist.message_queue(ctx.world) as queue:
+                pdist.broadcast_object(queue, {"step": 1})
+            pdist.barrier(ctx)
+            if ctx.rank == 0:  # the store's host stops answering, as when its link goes down
+                os.kill(os.getpid(), signal.SIGSTOP)
+            start = time.time()
+            print(f"LOOP at {start:.3f}", flush=True)
+            while True:
+                pdist.all_reduce(ctx, torch.ones(1))
+                time.sleep(0.01)
+    except Exception as exc:
+        print(f"RAISED after {time.time() - start:.1f}s: {type(exc).__name__}", flush=True)
+    print(f"LEFT after {time.time() - start:.1f}s", flush=True)
+"""
+
+
+def test_no_pdist_thread_keeps_a_survivor_from_exiting():
+    """The store's host freezes mid-run: every survivor raises and its process exits in time."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launched = time.time()
+    results = run_ranks(
+        FROZEN_STORE_HOST, 3, timeout=120, env={"PDIST_TEST_PORT": str(port)}, wait_for=[1, 2]
+    )
+    for r in results[1:]:
+        assert r.returncode == 0, r.output
+        assert "RAISED after" in r.output, r.output
+        loop = float(r.output.split("LOOP at ")[1].split()[0])
+        assert launched + r.seconds - loop < 5 + 15, r.output

@@ -110,7 +110,7 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
     evil = pickle.dumps(Evil(marker), protocol=2)
     bad_pid = __import__("io").BytesIO()
     _BadPid(bad_pid, protocol=2).dump({"x": Evil(marker)})
-    empty = {"s": len(evil), "d": [], "b": [], "t": [], "z": 0, "k": 1}
+    empty = {"s": len(evil), "d": [], "b": [], "t": [], "k": 1}
     oob = _skeleton_with_pid(("storage", 3))  # no entries travelled
     next_oob = _skeleton_with_pid(("storage",))  # the next tensor, of none
     typed = _skeleton_with_pid(("storage", "s", 0, "float32"))
@@ -386,7 +386,7 @@ def test_absurd_lengths_raise_pdist_errors(path):
 def _layouts() -> list[tuple[str, bytes, int | None, str]]:
     """``(name, body, bucket bytes the attacker then sends or None, expected text)``."""
     skeleton = pickle.dumps({"x": 1}, protocol=2)
-    base = {"s": len(skeleton), "d": ["float32"], "b": [], "t": [], "z": 0, "k": 1}
+    base = {"s": len(skeleton), "d": ["float32"], "b": [], "t": [], "k": 1}
 
     def body(header: dict, count: int | None = None) -> bytes:
         n = len(header["b"]) if count is None else count
@@ -412,10 +412,10 @@ def _layouts() -> list[tuple[str, bytes, int | None, str]]:
             "bucket 0 of 64 bytes for tensors ending at -1",
         ),
         (
-            "late status with one bucket",
+            "a field pdist does not write",
             body({**base, "b": [["cpu", 4]], "t": [[0, 0, 0, 0, [1]]], "z": 1}),
             None,
-            "late status flag 1 with 1 buckets",
+            "does not have the fields s, d, b, t, k",
         ),
         (
             "overlapping places",

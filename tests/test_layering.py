@@ -84,6 +84,12 @@ FEATURE_EDGES = {
 }
 
 
+# Staging memory belongs to the wire format and the code that moves bytes: a feature that
+# needs memory for a result allocates it as torch would.
+BUFFER_USERS = {"_serialize", "_payload", "_agree", "_wire", "_objects", "_gathers", "_p2p"}
+BUFFER_USERS |= {"_collate", "_mq"}
+
+
 def _module(path: Path) -> str:
     rel = path.relative_to(PACKAGE)
     return "cli" if rel.parts[0] == "cli" else rel.stem
@@ -136,6 +142,12 @@ def test_imports_point_down_the_layers(path):
         assert target in LAYERS, (me, target)
         down = LAYERS[target] < LAYERS[me]
         assert down or (me, target) in FEATURE_EDGES, f"{me} imports {target}"
+
+
+def test_buffers_serve_the_format_and_the_transports_only():
+    """Only the wire format and the transports import ``_buffers``."""
+    users = {_module(p) for p in FILES if any(t == "_buffers" for t, _ in _imports(p))}
+    assert users <= BUFFER_USERS, sorted(users - BUFFER_USERS)
 
 
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(PACKAGE)) for p in FILES])

@@ -352,7 +352,8 @@ def test_a_queue_refuses_after_its_context_exited():
 def test_an_error_the_writer_sends_leaves_the_queue_usable(ctx):
     """An error marker reaches every rank in step: the next broadcast works."""
     with pdist.message_queue(ctx) as group:
-        with pytest.raises(pdist.PdistError, match="failed on rank 0"):
+        expected = AttributeError if ctx.rank == 0 else pdist.PdistError  # pickle's, on rank 0
+        with pytest.raises(expected, match="cannot pickle"):
             pdist.broadcast_object(group, (lambda: 1) if ctx.rank == 0 else None)
         assert pdist.broadcast_object(group, "next" if ctx.rank == 0 else None) == "next"
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -16,8 +17,8 @@ import torch.distributed as dist
 from launcher import run_ranks
 
 import pdist
+from benchmarks import scale
 from pdist import _guard
-from pdist.cli import scale
 from pdist.testing import spawn, world_sizes
 
 # --------------------------------------------------------------------------- the deadline
@@ -251,16 +252,20 @@ def test_new_group_with_a_bad_name_on_one_rank_fails_on_every_rank(ctx):
 
 
 @world_sizes(4)
-def test_equal_partitions_share_communicators(ctx):
-    """Asking twice for a partition, or for one the context holds, builds nothing new."""
+def test_one_name_is_one_communicator(ctx):
+    """The same name and lists again share communicators; another name gets its own."""
     a = pdist.new_tp_group(ctx, 2)
+    assert pdist.new_tp_group(ctx, 2).device_group is a.device_group
     b = pdist.new_tp_group(ctx, 2, name="again")
-    assert a.device_group is b.device_group
+    assert b.device_group is not a.device_group
     assert b.name == "again"
     c = pdist.new_group(ctx, [[0, 1], [2, 3]], name="same")
     assert c is not None
-    assert c.device_group is a.device_group
-    assert pdist.new_tp_group(ctx, 4).device_group is ctx.world.device_group
+    assert c.device_group not in (a.device_group, b.device_group)
+    assert pdist.new_group(ctx, [[0, 1], [2, 3]], name="same") == c
+    assert pdist.new_group(ctx, [[0, 1], [2, 3]], name="same").cpu_group is c.cpu_group
+    assert pdist.new_tp_group(ctx, 4).device_group is not ctx.world.device_group
+    assert _sum(c) == sum(c.ranks)
     assert ctx.dp.device_group is ctx.world.device_group  # tp = sp = 1
     assert ctx.dp_sp.device_group is ctx.dp.device_group
     assert ctx.tp.device_group is ctx.sp.device_group  # both all singletons
@@ -493,3 +498,30 @@ def test_blocks_in_a_row_when_rank0_hosts_the_store(world):
     for r in results:
         assert r.returncode == 0, r.output
         assert "BLOCKS DONE" in r.output
+
+
+@world_sizes(2)
+def test_a_second_name_over_the_world_carries_traffic_beside_it(ctx):
+    """One thread broadcasts on the world, one on a second group of the same ranks: no mixing."""
+    second = pdist.new_group(ctx, [[0, 1]], name="second")
+    assert second is not None
+    assert second.cpu_group is not ctx.world.cpu_group
+    assert second.device_group is not ctx.world.device_group
+    assert pdist.new_group(ctx, [[0, 1]], name="second") == second
+    got: dict[str, list[float]] = {"world": [], "second": []}
+
+    def run(group: pdist.Group, base: float, out: list[float]) -> None:
+        for i in range(40):
+            x = torch.full((1000 + 17 * i,), base + i if ctx.rank == 0 else -1.0)
+            out.append(pdist.broadcast(group, x).sum().item() / x.numel())
+
+    threads = [
+        threading.Thread(target=run, args=(ctx.world, 0.0, got["world"])),
+        threading.Thread(target=run, args=(second, 1000.0, got["second"])),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got["world"] == [float(i) for i in range(40)]
+    assert got["second"] == [1000.0 + i for i in range(40)]

@@ -64,12 +64,12 @@ def _staging_fails(ctx):
 
 
 def _wide(seed: int) -> nn.Module:
-    """40 parameters of 1 MiB: buckets of 16, 16 and 8 MiB, the third reusing the first's."""
+    """40 parameters of 1 MiB: buckets of 16, 16 and 8 MiB."""
     return nn.ParameterList(nn.Parameter(torch.full((1 << 18,), i + seed / 2)) for i in range(40))
 
 
 def _late_pack_fails(ctx):
-    """The source fails to pack the third bucket, which reuses the first one's staging."""
+    """The source fails to pack the third bucket, after the first two packed."""
     model = _wide(ctx.rank)
     if ctx.rank == 0:
         with inject(pack=fails("simulated late packing failure", from_index=2)):
@@ -179,8 +179,8 @@ def test_tensors_off_the_group_device_are_written_back():
             assert torch.equal(state[key], value), (rank, key)
 
 
-def test_tensors_off_the_group_device_pass_through_the_staging_ring():
-    """Off the transport's device every tensor is staged; past two buckets, buffers are reused."""
+def test_tensors_off_the_group_device_pass_through_staging():
+    """Off the transport's device every tensor is staged, over several buckets."""
     states = spawn(_lazy_sync, 2, False, True, timeout=120)
     for rank, state in enumerate(states):
         for key, value in _wide(0).state_dict().items():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,21 +25,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _worlds(text: str) -> list[int]:
-    from .scale import DEFAULT_WORLDS
-
-    parts = [w for w in text.split(",") if w.strip()]
-    worlds = DEFAULT_WORLDS if text == "default" else [_positive(w) for w in parts]
-    for w in worlds:
-        if w % 8:
-            msg = f"{w} is not a multiple of 8 (the simulated job uses tp=8 and 8 ranks per host)"
-            raise argparse.ArgumentTypeError(msg)
-    if not worlds:
-        msg = "give at least one world size"
-        raise argparse.ArgumentTypeError(msg)
-    return list(worlds)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdist", description="pdist command line tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench}")
@@ -51,22 +35,6 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a short run (a minute on 2 CPU ranks)")
     bench.add_argument(
         "--json", metavar="PATH", help="write every figure, with the set-up it ran on, to PATH"
-    )
-    bench.add_argument(
-        "--simulate-world",
-        metavar="W[,W...]",
-        type=_worlds,
-        help="instead, measure start-up on simulated worlds of W ranks (torch's fake process "
-        "group) next to init_device_mesh; 'default' = 512,4096,8192,16384",
-    )
-    bench.add_argument(
-        "--stall-overhead",
-        action="store_true",
-        help="instead, time an all_reduce, a broadcast_object and a DDP step with the stall "
-        "watch on against stall_timeout=0, in alternating worlds of fresh processes",
-    )
-    bench.add_argument(
-        "--runs", type=_positive, default=3, help="with --stall-overhead: worlds per setting"
     )
     return parser
 
@@ -91,20 +59,6 @@ def _write(path: str | None, report: Any, count: int) -> None:
         print(f"wrote {count} records to {path}")
 
 
-def _simulate(worlds: list[int], json_path: str | None) -> int:
-    from .scale import MODES, format_table, measure
-
-    rows = []
-    for w in worlds:
-        for mode in MODES:
-            sys.stderr.write(f"simulating W={w} ({mode})\n")
-            rows.append(measure(w, mode))
-    print("pdist bench --simulate-world: one simulated rank of a W-rank job, tp=8, 8 ranks/host")
-    print(format_table(rows))
-    _write(json_path, rows, len(rows))
-    return 0
-
-
 RATIO_LEGEND = (
     "ratios: pdist's time / the baseline's time; below 1.00x pdist is faster, above it slower"
 )
@@ -126,15 +80,6 @@ def _format(records: list[dict[str, Any]]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.simulate_world is not None:
-        return _simulate(args.simulate_world, args.json)
-    if args.stall_overhead:
-        from .stall import format_overhead, measure_overhead
-
-        overhead = measure_overhead(args.nproc or 2, args.runs, args.quick)
-        print(format_overhead(overhead))
-        _write(args.json, overhead, len(overhead["cases"]))
-        return 0
     from .cases import bench_rank
 
     report, reports = on_ranks(bench_rank, args.nproc, args.quick, True, timeout=3600)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pdist import DistContext
+from pdist._compat import synchronize
 
 __all__ = ["Case", "Fns", "Record", "run_cases"]
 
@@ -52,7 +53,7 @@ class Record:
 def _synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cpu":
         return lambda: None
-    return lambda: torch.accelerator.synchronize(device)
+    return lambda: synchronize(device)
 
 
 def _batch(fn: Callable[[], object], inner: int, synchronize: Callable[[], None]) -> float:

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 import pdist
 from pdist import DistContext
-from pdist._buffers import allocate
 from pdist._compat import all_gather_into, funcol, reduce_scatter_into
 from pdist._wire import FIRST_MESSAGE_BYTES
 
@@ -195,8 +194,8 @@ def _structured_b(ctx: DistContext, stack: Stack) -> Fns:
         for t in tensors:
             dist.broadcast(t, 0, group=pg)
 
-    def fresh() -> torch.Tensor:  # as pdist allocates: huge pages at this size
-        return allocate(flat.nbytes).view(flat.dtype)
+    def fresh() -> torch.Tensor:  # (pdist's own are huge pages at this size: a floor, not less)
+        return torch.empty_like(flat)
 
     def into_fresh() -> None:
         # What a result in new tensors costs at least: the receivers' fresh memory.

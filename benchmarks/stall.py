@@ -1,4 +1,7 @@
-"""``python -m pdist bench --stall-overhead``: what the stall watch costs, watch on against off.
+"""What the stall watch costs, watch on against off (``nox -s bench -- --stall-overhead``).
+
+Run as ``python -m benchmarks.stall [--nproc N] [--runs R] [--quick] [--json PATH]`` from
+the repository root; a developer harness, not part of the wheel.
 
 torch reads the flight recorder's buffer size once per process, so each setting runs in a world
 of fresh processes. Worlds alternate on, off, off, on, on, off, ..., so that drift on a shared
@@ -11,7 +14,9 @@ so "on" pays for it).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import statistics
 import threading
 import time
@@ -20,13 +25,13 @@ from typing import Any
 
 import torch
 
-from .. import DistContext, Group, all_reduce, broadcast_object, distributed, wrap_ddp
-from .._compat import recorder_sees_gloo
-from .._group import Lifetime
-from .._inflight import recorded
-from .bench import Case, Fns, run_cases
+from pdist import DistContext, Group, all_reduce, broadcast_object, distributed, wrap_ddp
+from pdist._compat import recorder_sees_gloo
+from pdist._group import Lifetime
+from pdist._inflight import recorded
+from pdist.cli.bench import Case, Fns, run_cases
 
-__all__ = ["format_overhead", "measure_overhead", "overhead_rank"]
+__all__ = ["format_overhead", "main", "measure_overhead", "overhead_rank"]
 
 
 def _all_reduce(ctx: DistContext, stack: contextlib.ExitStack) -> Fns:
@@ -118,7 +123,7 @@ def hook_cost(calls: int = 200_000) -> dict[str, float]:
 
 def measure_overhead(nproc: int, runs: int, quick: bool) -> dict[str, Any]:
     """Alternate ``runs`` watched worlds with ``runs`` unwatched ones: the report, per case."""
-    from ..testing import spawn
+    from pdist.testing import spawn
 
     cases: dict[str, dict[str, Any]] = {c.name: {"on": [], "off": []} for c in CASES}
     cpu: list[float] = []
@@ -149,7 +154,7 @@ def measure_overhead(nproc: int, runs: int, quick: bool) -> dict[str, Any]:
 def format_overhead(report: dict[str, Any]) -> str:
     """The table ``--stall-overhead`` prints: medians on and off, and their ratio per case."""
     lines = [
-        f"pdist bench --stall-overhead: {report['world_size']} ranks, torch "
+        f"stall watch overhead: {report['world_size']} ranks, torch "
         f"{report['torch_version']}, {report['runs']} watched and {report['runs']} unwatched "
         "worlds, alternated",
         f"{'case':<32} {'watch on':>10} {'watch off':>10}  {'on/off':>6}  (each pair's ratio)",
@@ -172,3 +177,25 @@ def format_overhead(report: dict[str, Any]) -> str:
         f"watch is on, {1e9 * hook['record off']:.0f} ns while it is off"
     )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure the overhead and print its table (``--json PATH``: every figure too)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.stall", description=__doc__)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per world (default 2)")
+    parser.add_argument("--runs", type=int, default=3, help="worlds per setting (default 3)")
+    parser.add_argument("--quick", action="store_true", help="fewer iterations per case")
+    parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    args = parser.parse_args(argv)
+    if args.nproc < 1 or args.runs < 1:
+        parser.error("--nproc and --runs must be at least 1")
+    report = measure_overhead(args.nproc, args.runs, args.quick)
+    print(format_overhead(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

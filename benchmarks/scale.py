@@ -1,4 +1,7 @@
-"""``pdist bench --simulate-world W``: start-up cost of one rank of a simulated W-rank job.
+"""Start-up cost of one rank of a simulated W-rank job (``nox -s scale``).
+
+Run as ``python -m benchmarks.scale [W,W,...|default] [--json PATH]`` from the repository
+root; a developer harness, not part of the wheel.
 
 The rank runs ``distributed(tp=8, stall_timeout=0)`` (start-up alone) on torch's fake process
 group, in a fresh interpreter per measurement, next to ``init_device_mesh`` (mode ``mesh``) and
@@ -10,6 +13,7 @@ Only torch is patched, never pdist, so the figures are pdist's own.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
@@ -26,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _compat, distributed
+from pdist import _compat, distributed
 
-__all__ = ["DEFAULT_WORLDS", "LAYOUTS", "MODES", "format_table", "measure", "simulate"]
+__all__ = ["DEFAULT_WORLDS", "LAYOUTS", "MODES", "format_table", "main", "measure", "simulate"]
 
 DEFAULT_WORLDS = (512, 4096, 8192, 16384)
 # The simulated jobs' layouts: distributed()'s keywords (the mesh baseline builds the same).
@@ -197,11 +201,12 @@ def simulate(world_size: int, mode: str, *, clean_up: bool = False) -> dict[str,
 def measure(world_size: int, mode: str, *, timeout: float = 600.0) -> dict[str, Any]:
     """:func:`simulate` in a fresh interpreter (peak memory is per process)."""
     code = (
-        "import json, os, sys; from pdist.cli.scale import simulate; "
+        "import json, os, sys; from benchmarks.scale import simulate; "
         f"print('PDIST-SCALE', json.dumps(simulate({world_size}, {mode!r}))); "
         "sys.stdout.flush(); os._exit(0)"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    root = str(Path(__file__).resolve().parent.parent)  # where ``benchmarks`` is importable
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *(p for p in sys.path if p)])}
     cmd = [sys.executable, "-c", code]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     for line in out.stdout.splitlines():
@@ -213,7 +218,7 @@ def measure(world_size: int, mode: str, *, timeout: float = 600.0) -> dict[str, 
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The table ``pdist bench --simulate-world`` prints: the modes of each world side by side.
+    """The table :func:`main` prints: the modes of each world side by side.
 
     ``calls``: torch's group-creating calls (``new_group`` + ``split_group``); ``held``:
     the communicators the context holds.
@@ -243,3 +248,33 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                 f"{p['all_gather_bytes']:>10} {p['all_gather_bytes'] / w:>5.0f} | {splits:>29}"
             )
     return "\n".join(lines)
+
+
+def _worlds(text: str) -> list[int]:
+    worlds = list(DEFAULT_WORLDS) if text == "default" else [int(w) for w in text.split(",")]
+    if not worlds or any(w < 8 or w % 8 for w in worlds):
+        msg = f"{text!r}: give multiples of 8 (the job uses tp=8 and 8 ranks per host)"
+        raise argparse.ArgumentTypeError(msg)
+    return worlds
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every mode on each world (default 512, 4096, 8192, 16384) and print the table."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__)
+    parser.add_argument("worlds", nargs="?", type=_worlds, default=list(DEFAULT_WORLDS))
+    parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    args = parser.parse_args(argv)
+    rows = []
+    for w in args.worlds:
+        for mode in MODES:
+            sys.stderr.write(f"simulating W={w} ({mode})\n")
+            rows.append(measure(w, mode))
+    print("simulated start-up: one simulated rank of a W-rank job per layout, 8 ranks/host")
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

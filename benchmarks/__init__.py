@@ -1,0 +1,1 @@
+"""Developer harnesses beside the package (not in the wheel), run by nox."""
