@@ -32,6 +32,7 @@ from ._group import Group as Group
 from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
 from ._guard import world_comm_guard as world_comm_guard
 from ._guard import world_comm_timeout as world_comm_timeout
+from ._links import link as link
 from ._mq import message_queue as message_queue
 from ._objects import broadcast_object as broadcast_object
 from ._objects import broadcast_object_list as broadcast_object_list
@@ -94,6 +95,7 @@ __all__ = [
     "graph_capture",
     "is_local_rank0",
     "is_rank0",
+    "link",
     "message_queue",
     "new_group",
     "new_sp_group",

@@ -12,9 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from . import _agree, _wire
+from . import _agree, _compat, _wire
 from ._buffers import ALIGN
 from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
@@ -75,7 +74,7 @@ def _send_payload(
 
     def send(i: int, flat: torch.Tensor) -> Any:
         transport = g.transport(encoded.buckets[i].kind)
-        return dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=transport)
+        return _compat.isend_to(_part(flat, split).contiguous(), transport, peer)
 
     works, failure = stream(encoded, send, packed)
     for work in works:
@@ -133,7 +132,7 @@ def _recv_payload(
     assert decoded is not None
     for bucket, data in zip(decoded.buckets, buffers, strict=True):
         part = _part(data, split)
-        dist.recv(part, src=g.ranks[peer], group=g.transport(bucket.kind))
+        _compat.recv_from(part, g.transport(bucket.kind), peer)
         if stage is not None:
             all_gather_into(data, part, stage.transport(bucket.kind))
     if decoded.late_status:  # whether the sender could pack every bucket

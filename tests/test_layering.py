@@ -49,6 +49,8 @@ LAYERS = {
             "_ranks",
             "_sequence",
             "_graph",
+            "_links",
+            "_weights",
         ],
         9,
     ),
@@ -66,6 +68,7 @@ FEATURE_EDGES = {
     ("_mq", "_topology"),  # a queue needs every rank on one host
     ("_sequence", "_collectives"),  # Ulysses attention is two all_to_all_4d
     ("_collectives", "_launches"),  # the runner and how each collective runs
+    ("_links", "_context"),  # a link resolves its device as distributed() does
     ("_context", "_subgroups"),
     ("_context", "_topology"),
     ("_context", "_guard"),

@@ -66,6 +66,8 @@ PUBLIC = {
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
     # stalls
     "STALL_EXIT_CODE",
+    # links and weights
+    "link",
     # same host
     "message_queue",
     "graph_capture",
