@@ -61,6 +61,7 @@ from ._training import DistributedDataParallel as DistributedDataParallel
 from ._training import grad_sync as grad_sync
 from ._training import sync_model_states as sync_model_states
 from ._training import wrap_ddp as wrap_ddp
+from ._weights import broadcast_weights as broadcast_weights
 
 __version__ = "0.1.0"
 
@@ -85,6 +86,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_list",
     "broadcast_tensor_dict",
+    "broadcast_weights",
     "collate_batches",
     "device_mesh",
     "distributed",

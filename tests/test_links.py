@@ -28,7 +28,8 @@ def passed(results: list[RankResult], ranks: int) -> None:
     """Every rank ended with status 0 and printed ``OK``."""
     assert len(results) == ranks
     for r in results:
-        assert r.returncode == 0 and "OK" in r.output, f"rank {r.rank}:\n{r.output}"
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.output}"
+        assert "OK" in r.output, f"rank {r.rank}:\n{r.output}"
 
 
 def run_jobs(jobs: list[tuple[str, int]], *, timeout: float, env: dict[str, str]) -> list[Any]:
@@ -65,7 +66,8 @@ PLAIN = """
         assert last == {"from": n - 1}, last
         t = pdist.broadcast(g, torch.arange(4.0) * (g.rank + 1), src=n - 1)
         assert t.tolist() == [0.0, n, 2.0 * n, 3.0 * n], t
-        assert pdist.gather_object(g, g.rank, dst=n - 1) == (list(range(n)) if g.rank == n - 1 else None)
+        got = pdist.gather_object(g, g.rank, dst=n - 1)
+        assert got == (list(range(n)) if g.rank == n - 1 else None), got
         if g.rank == 0:
             pdist.send_object(g, label, dst=1)
         elif g.rank == 1:
@@ -152,7 +154,8 @@ def test_member_that_never_comes() -> None:
         MISSING, 3, timeout=60, env={"LINK": f"127.0.0.1:{free_port()}"}, wait_for=[0, 1]
     )
     for r in results[:2]:
-        assert r.returncode == 0 and "RAISED after" in r.output, r.output
+        assert r.returncode == 0, r.output
+        assert "RAISED after" in r.output, r.output
         assert "link rank(s) [2] did not join" in r.output, r.output
         assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 3 + 15
 

@@ -68,6 +68,7 @@ PUBLIC = {
     "STALL_EXIT_CODE",
     # links and weights
     "link",
+    "broadcast_weights",
     # same host
     "message_queue",
     "graph_capture",
