@@ -22,18 +22,27 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
-from . import _agree, _compat, _plain, _wire
+from . import _agree, _compat, _plain, _seams, _wire
 from ._buffers import allocate
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._serialize import dtype_name, dtype_of
 
-__all__ = ["DIRECT_BYTES", "Entry", "broadcast_weights", "move_tensors"]
+__all__ = [
+    "DIRECT_BYTES",
+    "SYNC_BUCKET_BYTES",
+    "Entry",
+    "Move",
+    "broadcast_weights",
+    "prepare_move",
+    "states_of",
+]
 
+SYNC_BUCKET_BYTES = 64 << 20  # sync_model_states' buckets
 DIRECT_BYTES = 1 << 20  # tensors this large (or larger than a bucket) travel alone
 _ALIGN = 64  # bytes: every packed tensor starts aligned for any dtype's view
 _VERSION = 1
@@ -95,12 +104,127 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _source_bytes(t: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of ``t`` on ``device``: a view when ``t`` is contiguous there.
+
+    Sliced in ``t``'s own dtype first, so that only that part moves to ``device`` (a chunk,
+    never the whole tensor) and devices that cannot view bytes (torch's lazy) still work.
+    """
+    size = t.element_size()
+    part = t.detach().reshape(-1)[start // size : stop // size]
+    if part.device != device:
+        part = part.to(device)
+    return _flat_bytes(part.contiguous())
+
+
 def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
     """Whether ``t``'s own memory can be the wire for ``e`` (no staging)."""
     return t.is_contiguous() and t.dtype == e.dtype and t.device == device
 
 
-def move_tensors(
+class Move:
+    """A planned transfer of tensors from ``src`` (see :func:`prepare_move`), ready to run."""
+
+    def __init__(
+        self,
+        group: Group,
+        entries: list[Entry],
+        tensors: list[torch.Tensor],
+        src: int,
+        bucket_bytes: int,
+        what: str,
+    ) -> None:
+        self.group, self.entries, self.tensors, self.src, self.what = (
+            group,
+            entries,
+            tensors,
+            src,
+            what,
+        )
+        self.steps = _plan(entries, bucket_bytes)
+        self.is_src = group.rank_in_group == src
+        device = group.device
+        need = [
+            s.nbytes if isinstance(s, _Packed) else s.stop - s.start
+            for s in self.steps
+            if isinstance(s, _Packed)
+            or (not self.is_src and not _direct(tensors[s.entry], entries[s.entry], device))
+        ]
+        # Allocated before the members agree to go on, so that a failure here raises on all.
+        self.staging = allocate(max(need), device, what=what) if need else None
+        self.contiguous: dict[int, torch.Tensor] = {}  # non-contiguous destinations
+
+    def run(self) -> None:
+        """Move every step; a local failure lets the others finish, then raises on every member.
+
+        After a failure every step still moves (with whatever the source's staging holds),
+        so that no member waits; the receivers' tensors then hold undefined bytes.
+        """
+        failure: BaseException | None = None
+        pg = self.group.device_group
+        for index, step in enumerate(self.steps):
+            wire: torch.Tensor | None = None
+            try:
+                if self.is_src:
+                    _seams.packing(index)
+                wire = self._wire(step, failure is None)
+            except Exception as exc:
+                failure = failure or exc
+            if wire is None:  # the step could not be prepared: move the staging's bytes
+                wire = self._fallback(step)
+            _compat.broadcast_from(wire, pg, self.src)
+            if not self.is_src and failure is None:
+                try:
+                    self._unpack(step, wire)
+                except Exception as exc:
+                    failure = exc
+        try:
+            if failure is None:
+                for i, dest in self.contiguous.items():
+                    self.tensors[i].copy_(dest)
+        except Exception as exc:
+            failure = exc
+        _agree.status(self.group, failure, what=self.what)
+
+    def _fallback(self, step: _Packed | _Chunk) -> torch.Tensor:
+        n = step.nbytes if isinstance(step, _Packed) else step.stop - step.start
+        if self.staging is None:
+            return torch.empty(n, dtype=torch.uint8, device=self.group.device)
+        return self.staging[:n]
+
+    def _wire(self, step: _Packed | _Chunk, pack: bool) -> torch.Tensor:
+        """The bytes this member sends or receives into for ``step`` (packed on the source)."""
+        device, staging = self.group.device, self.staging
+        if isinstance(step, _Packed):
+            wire = cast("torch.Tensor", staging)[: step.nbytes]
+            if self.is_src and pack:
+                for i, off in step.parts:
+                    n = self.entries[i].nbytes
+                    wire[off : off + n].copy_(_source_bytes(self.tensors[i], 0, n, device))
+            return wire
+        t, e = self.tensors[step.entry], self.entries[step.entry]
+        if self.is_src:
+            return _source_bytes(t, step.start, step.stop, device)
+        if _direct(t, e, device):
+            return _flat_bytes(t)[step.start : step.stop]
+        return cast("torch.Tensor", staging)[: step.stop - step.start]
+
+    def _unpack(self, step: _Packed | _Chunk, wire: torch.Tensor) -> None:
+        """A receiver's part after ``step`` moved: cast the staged bytes into place."""
+        if isinstance(step, _Packed):
+            for i, off in step.parts:
+                e = self.entries[i]
+                self.tensors[i].copy_(wire[off : off + e.nbytes].view(e.dtype).view(e.shape))
+            return
+        t, e = self.tensors[step.entry], self.entries[step.entry]
+        if _direct(t, e, self.group.device):
+            return
+        dest = t if t.is_contiguous() else self.contiguous.setdefault(step.entry, t.contiguous())
+        size = e.dtype.itemsize
+        dest.view(-1)[step.start // size : step.stop // size].copy_(wire.view(e.dtype))
+
+
+def prepare_move(
     group: Group,
     entries: list[Entry],
     tensors: list[torch.Tensor],
@@ -108,56 +232,16 @@ def move_tensors(
     bucket_bytes: int,
     *,
     what: str,
-) -> None:
-    """Broadcast ``tensors`` (the source's) into ``tensors`` (each receiver's), as planned.
+) -> Move:
+    """Plan moving ``tensors`` (the source's) into ``tensors`` (each receiver's), and stage.
 
     Every member passes ``entries`` (the same everywhere, agreed) and one tensor per entry
     of that shape: the source's to send, a receiver's to fill (of any dtype and device:
     it is cast, as ``copy_`` does). Extra memory: at most one staging buffer of
     ``bucket_bytes`` (and, for a non-contiguous destination, a contiguous copy of it).
+    Call it before the status that lets every member go on; then :meth:`Move.run`.
     """
-    steps = _plan(entries, bucket_bytes)
-    is_src, device, pg = group.rank_in_group == src, group.device, group.device_group
-    need = [
-        s.nbytes if isinstance(s, _Packed) else s.stop - s.start
-        for s in steps
-        if isinstance(s, _Packed) or not _direct(tensors[s.entry], entries[s.entry], device)
-    ]
-    staging = allocate(max(need), device, what=what) if need else None
-    contiguous: dict[int, torch.Tensor] = {}  # non-contiguous destinations, filled at the end
-    for step in steps:
-        if isinstance(step, _Packed):
-            assert staging is not None
-            wire = staging[: step.nbytes]
-            if is_src:
-                for i, off in step.parts:
-                    n = entries[i].nbytes
-                    wire[off : off + n].copy_(_flat_bytes(tensors[i].detach().contiguous()))
-            _compat.broadcast_from(wire, pg, src)
-            if not is_src:
-                for i, off in step.parts:
-                    e = entries[i]
-                    view = wire[off : off + e.nbytes].view(e.dtype).view(e.shape)
-                    tensors[i].copy_(view)
-            continue
-        t, e = tensors[step.entry], entries[step.entry]
-        if is_src:
-            source = _flat_bytes(t.detach().contiguous())[step.start : step.stop]
-            if t.device != device:
-                assert staging is not None
-                source = staging[: step.stop - step.start].copy_(source)
-            _compat.broadcast_from(source, pg, src)
-        elif _direct(t, e, device):
-            _compat.broadcast_from(_flat_bytes(t)[step.start : step.stop], pg, src)
-        else:
-            assert staging is not None
-            wire = staging[: step.stop - step.start]
-            _compat.broadcast_from(wire, pg, src)
-            dest = t if t.is_contiguous() else contiguous.setdefault(step.entry, t.contiguous())
-            size = e.dtype.itemsize
-            dest.view(-1)[step.start // size : step.stop // size].copy_(wire.view(e.dtype))
-    for i, dest in contiguous.items():
-        tensors[i].copy_(dest)
+    return Move(group, entries, tensors, src, bucket_bytes, what)
 
 
 def _entries_of(tensors: object) -> list[Entry]:
@@ -303,15 +387,17 @@ def broadcast_weights(
     entries, bucket = _parse_metadata(_wire.broadcast_bytes(g, payload, src, what=what), g, what)
     failure: BaseException | None = None
     targets: list[torch.Tensor] = []
+    move: Move | None = None
     try:
         if into is not None:
             _check_into(into, entries, g, src)
         targets = _targets(g, entries, tensors if is_src else into)
+        move = prepare_move(g, entries, targets, src, bucket, what=what)
     except Exception as exc:
         failure = exc
     _agree.status(g, failure, what=what)
     with torch.no_grad():
-        move_tensors(g, entries, targets, src, bucket, what=what)
+        cast("Move", move).run()
         if is_src and into is not None:
             for e, t in zip(entries, targets, strict=True):
                 into[e.name].copy_(t)

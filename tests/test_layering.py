@@ -64,7 +64,7 @@ LAYERS = {
 FEATURE_EDGES = {
     ("_gathers", "_objects"),  # the defaults of the object transports
     ("_p2p", "_objects"),  # the defaults, and the tensor-dict check
-    ("_training", "_objects"),  # sync_model_states moves tensors with broadcast_tensors
+    ("_training", "_weights"),  # sync_model_states moves tensors as broadcast_weights does
     ("_mq", "_topology"),  # a queue needs every rank on one host
     ("_sequence", "_collectives"),  # Ulysses attention is two all_to_all_4d
     ("_collectives", "_launches"),  # the runner and how each collective runs
