@@ -110,6 +110,19 @@ JOB = """
                 assert x.item() == 6.0, x
                 assert pdist.same_node_ranks(g) == [0, 1, 2]
                 assert dist.get_world_size() == 2 and dist.get_rank() == ctx.rank
+                # The weight sync: the trainer's fp32 model into both bf16 inference models.
+                torch.manual_seed(0)
+                trained = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+                if role == "trainer":
+                    pdist.broadcast_weights(g, trained.state_dict(), bucket_bytes=1024)
+                else:
+                    torch.manual_seed(1)
+                    served = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+                    served = served.to(torch.bfloat16)
+                    pdist.broadcast_weights(g, into=served.state_dict(), bucket_bytes=1024)
+                    for name, t in served.state_dict().items():
+                        want = trained.state_dict()[name].to(torch.bfloat16)
+                        assert torch.equal(t, want), name
         # The job's own world still works after the link.
         assert pdist.all_reduce(ctx.world, torch.ones(1)).item() == 2.0
         assert pdist.all_gather_object(ctx, ctx.rank) == [0, 1]
@@ -118,7 +131,7 @@ JOB = """
 
 
 def test_link_between_two_jobs() -> None:
-    """Trainer rank 0 and both inference ranks (two jobs) form a link of 3 beside their worlds."""
+    """Trainer rank 0 and both inference ranks (two jobs) link; weights reach the bf16 models."""
     link = f"127.0.0.1:{free_port()}"
     trainer, inference = run_jobs(
         [(JOB.replace('os.environ["ROLE"]', '"trainer"'), 2), (JOB, 2)],
