@@ -11,9 +11,9 @@ The store's keys, under ``pdist/link/<name>/``:
 
 - ``joined`` (a counter) and ``joined/<r>``: who checked in;
 - ``verdict``: member 0's list of missing ranks when it gave up (every member raises it);
-- ``left`` (a counter) and ``closed``: the goodbye. Member 0 keeps the store until the
-  others have left, and marks it ``closed`` first, so that a member that re-links at once
-  (20 links in a row on one address) never mistakes the old store for the new one.
+- ``closed`` and ``bye`` (a counter): the goodbye. Member 0 marks its store closed as it
+  leaves; the others leave once they see it, so that a member that re-links at once (20
+  links in a row on one address) never mistakes the old store for the new one.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ logger = logging.getLogger("pdist")
 
 _POLL_SEC = 0.02
 _VERDICT_WAIT_SEC = 5.0  # how long member 0 lingers so the others read its verdict
-_CLOSE_WAIT_SEC = 5.0  # how long member 0 waits for goodbyes after a failed block
+_CLOSE_WAIT_SEC = 5.0  # how long member 0 waits for goodbyes (and the others, after a failure)
 
 
 def _parse_address(address: object) -> tuple[str, int]:
@@ -151,22 +151,22 @@ class _Join:
         self._raise_missing(missing)
 
     def leave(self, failed: bool) -> None:
-        """Say goodbye; member 0 keeps the store until the others have (bounded)."""
+        """Say goodbye: the others wait for member 0 to mark its store closed (bounded).
+
+        Member 0 marks the store closed as it leaves, then lingers (a few seconds at most)
+        for the others' goodbyes, so that none of them re-links into the store about to go.
+        """
         store = self.store
         if store is None:
             return
         try:
-            store.add(self.key("left"), 1)
-            bound = _CLOSE_WAIT_SEC if failed else self.seconds
-            end = time.monotonic() + bound
             if self.rank == 0:
-                while store.add(self.key("left"), 0) < self.size and time.monotonic() < end:
-                    time.sleep(_POLL_SEC)
                 store.set(self.key("closed"), "1")
                 end = time.monotonic() + _CLOSE_WAIT_SEC
                 while store.add(self.key("bye"), 0) < self.size - 1 and time.monotonic() < end:
                     time.sleep(_POLL_SEC)
             else:
+                end = time.monotonic() + (_CLOSE_WAIT_SEC if failed else self.seconds)
                 while not store.check([self.key("closed")]) and time.monotonic() < end:
                     time.sleep(_POLL_SEC)
                 store.add(self.key("bye"), 1)
@@ -213,8 +213,8 @@ def link(
     (``ranks == (0, ..., world_size - 1)``), whatever the members' ranks in their jobs.
     ``torch.distributed.is_initialized()`` and each job's own groups are untouched.
 
-    Exiting the block waits (up to ``timeout``) for every member to exit theirs, so
-    the address is free for the next link as soon as the block ends.
+    Exiting the block waits for member 0 to exit its own (up to ``timeout``; 5 s after a
+    failure), so that the address is free for the next link as soon as the block ends.
 
     Args:
         address: ``"host:port"`` where member 0 hosts the store.

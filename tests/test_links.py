@@ -203,3 +203,30 @@ def test_link_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     """Bad arguments raise ValueError naming the parameter before anything connects."""
     with pytest.raises(ValueError, match=match), pdist.link(**kwargs):
         pass
+
+
+HOST_MISSING = """
+    import os, time
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        time.sleep(60)  # the store's host never comes
+    start = time.monotonic()
+    try:
+        with pdist.link(os.environ["LINK"], rank=rank, world_size=3, timeout=3):
+            print("JOINED")
+    except pdist.PdistError as exc:
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}")
+    print("OK")
+"""
+
+
+def test_host_that_never_comes() -> None:
+    """Member 0 (the store's host) never comes: the others raise naming link rank 0."""
+    results = run_ranks(
+        HOST_MISSING, 3, timeout=60, env={"LINK": f"127.0.0.1:{free_port()}"}, wait_for=[1, 2]
+    )
+    for r in results[1:]:
+        assert "link rank(s) [0] did not join" in r.output, r.output
+        assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 3 + 15

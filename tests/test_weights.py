@@ -141,3 +141,32 @@ MEMORY = """
 def test_peak_memory_stays_within_buckets() -> None:
     """256 MiB of weights in 16 MiB buckets: peak RSS grows well under 100 MiB on both sides."""
     passed(run_ranks(MEMORY, 2, timeout=120, env={"LINK": f"127.0.0.1:{free_port()}"}), 2)
+
+
+DEAD_RECEIVER = """
+    import os, time
+    import torch
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    with pdist.link(os.environ["LINK"], rank=rank, world_size=3, timeout=10) as g:
+        pdist.barrier(g)
+        if rank == 2:
+            os._exit(3)  # a receiver goes away while the source sends
+        weights = {f"w{i}": torch.ones(1 << 18) for i in range(8)}  # 8 MiB
+        start = time.monotonic()
+        try:
+            pdist.broadcast_weights(g, weights if rank == 0 else None, bucket_bytes=1 << 20)
+        except Exception as exc:
+            print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}")
+    print("OK")
+"""
+
+
+def test_receiver_exits_while_the_source_sends() -> None:
+    """A receiver goes away: the source and the other receiver raise, neither hangs."""
+    results = run_ranks(DEAD_RECEIVER, 3, timeout=90, env={"LINK": f"127.0.0.1:{free_port()}"})
+    for r in results[:2]:
+        assert r.returncode == 0, r.output
+        assert "RAISED after" in r.output, r.output
+        assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 10 + 15
