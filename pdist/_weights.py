@@ -19,9 +19,10 @@ the receivers already know or can check. Three steps:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple, cast
 
 import torch
@@ -381,6 +382,21 @@ def broadcast_weights(
         if error is not None:
             raise error
         return _local(entries, tensors, into)
+    with _member_lost(g, what):
+        return _broadcast(g, tensors, src, into, bucket_bytes, entries, error, what)
+
+
+def _broadcast(
+    g: Group,
+    tensors: Mapping[str, torch.Tensor] | None,
+    src: int,
+    into: Mapping[str, torch.Tensor] | None,
+    bucket_bytes: int,
+    entries: list[Entry],
+    error: BaseException | None,
+    what: str,
+) -> dict[str, torch.Tensor]:
+    """:func:`broadcast_weights` on a group of two or more members."""
     _agree_src(g, src, error, what)
     is_src = g.rank_in_group == src
     payload = _metadata(entries, bucket_bytes) if is_src else None
@@ -404,6 +420,21 @@ def broadcast_weights(
     if into is not None:
         return dict(into) if not isinstance(into, dict) else into
     return {e.name: t for e, t in zip(entries, targets, strict=True)}
+
+
+@contextlib.contextmanager
+def _member_lost(g: Group, what: str) -> Iterator[None]:
+    """Raise a communicator's failure (a member went away) as a PdistError saying so."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, PdistError):
+            raise
+        msg = (
+            f"{what} on group {g.name!r}: the communicator failed on rank {g.rank}, most "
+            f"likely because a member went away; rebuild the group without it ({exc})"
+        )
+        raise PdistError(msg) from exc
 
 
 def _targets(

@@ -91,7 +91,7 @@ DEAD_SOURCE = """
         start = time.monotonic()
         try:
             pdist.broadcast_weights(g, into={"w": torch.zeros(4)})
-        except Exception as exc:
+        except pdist.PdistError as exc:
             print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}")
     print("OK")
 """
@@ -157,7 +157,7 @@ DEAD_RECEIVER = """
         start = time.monotonic()
         try:
             pdist.broadcast_weights(g, weights if rank == 0 else None, bucket_bytes=1 << 20)
-        except Exception as exc:
+        except pdist.PdistError as exc:
             print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}")
     print("OK")
 """
