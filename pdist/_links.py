@@ -194,6 +194,33 @@ def _seconds(timeout: float | timedelta | None) -> float:
     return _env.to_seconds(timeout, "timeout")
 
 
+def _communicators(
+    label: str,
+    store: Store,
+    prefix: str,
+    rank: int,
+    size: int,
+    backend: str,
+    device: torch.device,
+    wait: timedelta,
+) -> tuple[ProcessGroup, ProcessGroup]:
+    """The link's gloo group, and its tensor group (the same one on a CPU gloo link)."""
+    try:
+        cpu_store = PrefixStore(prefix + "cpu/", store)
+        cpu = _compat.unregistered_group(cpu_store, rank, size, "gloo", torch.device("cpu"), wait)
+        if device.type == "cpu" and backend == "gloo":
+            return cpu, cpu
+        device_store = PrefixStore(prefix + "device/", store)
+        try:
+            return cpu, _compat.unregistered_group(device_store, rank, size, backend, device, wait)
+        except Exception:
+            _compat.shutdown_group(cpu)
+            raise
+    except Exception as exc:  # every member had joined: one went away since, or the network
+        msg = f"{label}: building the communicators failed on link rank {rank} ({exc})"
+        raise PdistError(msg) from exc
+
+
 @contextlib.contextmanager
 def link(
     address: str,
@@ -252,26 +279,10 @@ def link(
         join.join()
         store: Store | None = join.store
         wait = timedelta(seconds=seconds)
-        cpu = _compat.unregistered_group(
-            PrefixStore(join.key("cpu/"), cast("Store", store)),
-            rank,
-            size,
-            "gloo",
-            torch.device("cpu"),
-            wait,
+        cpu, device_pg = _communicators(
+            label, cast("Store", store), join.prefix, rank, size, backend_name, resolved, wait
         )
-        pgs.append(cpu)
-        device_pg = cpu
-        if resolved.type != "cpu" or backend_name != "gloo":
-            device_pg = _compat.unregistered_group(
-                PrefixStore(join.key("device/"), cast("Store", store)),
-                rank,
-                size,
-                backend_name,
-                resolved,
-                wait,
-            )
-            pgs.append(device_pg)
+        pgs += [cpu] if device_pg is cpu else [cpu, device_pg]
         group = Group(
             name=name or "link",
             ranks=tuple(range(size)),
