@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import _compat, _launches
+from . import _launches, _rooted
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
@@ -385,7 +385,7 @@ def gather(
         return x
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
-    _compat.gather_to(x, outs, g.device_group, dst)
+    _rooted.gather_to(x, outs, g.device_group, dst)
     return None if outs is None else torch.cat(outs, dim=d)
 
 
@@ -407,7 +407,7 @@ def reduce(
     if g.world_size == 1:
         return x
     out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
-    _compat.reduce_to(out, g.device_group, dst, dist.ReduceOp.SUM)
+    _rooted.reduce_to(out, g.device_group, dst, dist.ReduceOp.SUM)
     if g.rank_in_group != dst:
         return None
     return out.div_(g.world_size) if op == "mean" else out
@@ -493,7 +493,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     g = as_group(group)
     _check_tensor(x)
     peer = g.peer_index(dst, g.next_rank, "dst")
-    _compat.send_to(_launches.local(x).detach().contiguous(), g.device_group, peer)
+    _rooted.send_to(_launches.local(x).detach().contiguous(), g.device_group, peer)
 
 
 @recorded("recv", p2p=True)
@@ -529,5 +529,5 @@ def recv(
         raise TypeError(msg)
     peer = g.peer_index(src, g.prev_rank, "src")
     out = torch.empty(tuple(dims), dtype=dtype, device=g.device)
-    _compat.recv_from(out, g.device_group, peer)
+    _rooted.recv_from(out, g.device_group, peer)
     return out

@@ -44,7 +44,6 @@ __all__ = [
     "all_gather_into",
     "backend_name",
     "before_destroying_groups",
-    "broadcast_from",
     "default_store",
     "device_mesh_from_group",
     "dtensor_type",
@@ -53,21 +52,16 @@ __all__ = [
     "fsdp_param_groups",
     "funcol",
     "functional_ops",
-    "gather_to",
     "gloo_lazy_init",
-    "irecv_from",
     "is_async_tensor",
-    "isend_to",
     "l2_fetch_granularity",
     "parse_version",
     "recorder_sees_gloo",
-    "recv_from",
     "reduce_scatter_into",
-    "reduce_to",
     "register_fake_backend",
     "register_work",
+    "registered",
     "safe_load",
-    "send_to",
     "set_l2_fetch_granularity",
     "shutdown_group",
     "sparse_tensors_to_validate",
@@ -282,98 +276,11 @@ def unregistered_group(
     return pg
 
 
-# ----------------------------------------------------------------- rooted and p2p operations
-# pdist names a root or a peer by its index into the group. torch's wrappers translate a
-# global rank through its group registry (torch 2.6 does so even for ``group_src=``), which
-# a link's groups are never in: those take the process group's own methods, which index
-# the group as pdist does. Registered groups keep torch's wrappers (and their bookkeeping).
-
-
-def _registered(pg: dist.ProcessGroup) -> bool:
+def registered(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg`` is in torch's group registry (a link's groups never are)."""
     from torch.distributed.distributed_c10d import GroupMember, _world
 
     return pg is GroupMember.WORLD or pg in _world.pg_group_ranks
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def _done(work: Any, async_op: bool) -> Any:
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
-def broadcast_from(
-    t: torch.Tensor, pg: dist.ProcessGroup, index: int, *, async_op: bool = False
-) -> Any:
-    """``dist.broadcast`` of ``t`` from group index ``index`` (its work when ``async_op``)."""
-    if _registered(pg):
-        src = dist.get_global_rank(pg, index)
-        return dist.broadcast(t, src, group=pg, async_op=async_op)
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = index, 0
-    return _done(pg.broadcast([_real(t)], opts), async_op)
-
-
-def isend_to(t: torch.Tensor, pg: dist.ProcessGroup, index: int) -> Any:
-    """``dist.isend`` of ``t`` to group index ``index``: its work."""
-    if _registered(pg):
-        return dist.isend(t, dist.get_global_rank(pg, index), group=pg)
-    return pg.send([_real(t)], index, 0)
-
-
-def irecv_from(t: torch.Tensor, pg: dist.ProcessGroup, index: int) -> Any:
-    """``dist.irecv`` into ``t`` from group index ``index``: its work."""
-    if _registered(pg):
-        return dist.irecv(t, dist.get_global_rank(pg, index), group=pg)
-    return pg.recv([_real(t)], index, 0)
-
-
-def send_to(t: torch.Tensor, pg: dist.ProcessGroup, index: int) -> None:
-    """``dist.send`` of ``t`` to group index ``index``."""
-    if _registered(pg):
-        dist.send(t, dist.get_global_rank(pg, index), group=pg)
-        return
-    pg.send([_real(t)], index, 0).wait()
-
-
-def recv_from(t: torch.Tensor, pg: dist.ProcessGroup, index: int) -> None:
-    """``dist.recv`` into ``t`` from group index ``index``."""
-    if _registered(pg):
-        dist.recv(t, dist.get_global_rank(pg, index), group=pg)
-        return
-    pg.recv([_real(t)], index, 0).wait()
-
-
-def gather_to(
-    t: torch.Tensor,
-    outs: list[torch.Tensor] | None,
-    pg: dist.ProcessGroup,
-    index: int,
-    *,
-    async_op: bool = False,
-) -> Any:
-    """``dist.gather`` of ``t`` into the root's ``outs`` at group index ``index``."""
-    if _registered(pg):
-        dst = dist.get_global_rank(pg, index)
-        return dist.gather(t, outs, dst=dst, group=pg, async_op=async_op)
-    opts = dist.GatherOptions()
-    opts.rootRank = index
-    outputs = [[_real(o) for o in outs]] if outs is not None else []
-    return _done(pg.gather(outputs, [_real(t)], opts), async_op)
-
-
-def reduce_to(t: torch.Tensor, pg: dist.ProcessGroup, index: int, op: Any) -> None:
-    """``dist.reduce`` of ``t`` (in place) to group index ``index``."""
-    if _registered(pg):
-        dist.reduce(t, dist.get_global_rank(pg, index), op=op, group=pg)
-        return
-    opts = dist.ReduceOptions()
-    opts.reduceOp, opts.rootRank, opts.rootTensor = op, index, 0
-    pg.reduce([t], opts).wait()
 
 
 def backend_name(pg: dist.ProcessGroup) -> str:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from . import _compat
+from . import _compat, _rooted
 from ._compat import all_gather_into
 from ._group import Group
 
@@ -135,7 +135,7 @@ def all_reduce_into(group: Group, out: torch.Tensor, op: str) -> Launched:
 
 
 def broadcast_into(group: Group, out: torch.Tensor, src: int) -> Launched:
-    work = _compat.broadcast_from(out, group.device_group, src, async_op=True)
+    work = _rooted.broadcast_from(out, group.device_group, src, async_op=True)
     return Launched(out, work)
 
 

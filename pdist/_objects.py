@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _agree, _compat, _payload, _wire
+from . import _agree, _payload, _rooted, _wire
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._serialize import Safe, loads, safe_or_error
@@ -99,7 +99,7 @@ def _broadcasts(
     data: Sequence[torch.Tensor],
 ) -> list[Any]:
     return [
-        _compat.broadcast_from(flat, group.transport(b.kind), src, async_op=True)
+        _rooted.broadcast_from(flat, group.transport(b.kind), src, async_op=True)
         for b, flat in zip(buckets, data, strict=True)
     ]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import _agree, _compat, _wire
+from . import _agree, _rooted, _wire
 from ._buffers import ALIGN
 from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
@@ -74,7 +74,7 @@ def _send_payload(
 
     def send(i: int, flat: torch.Tensor) -> Any:
         transport = g.transport(encoded.buckets[i].kind)
-        return _compat.isend_to(_part(flat, split).contiguous(), transport, peer)
+        return _rooted.isend_to(_part(flat, split).contiguous(), transport, peer)
 
     works, failure = stream(encoded, send, packed)
     for work in works:
@@ -132,7 +132,7 @@ def _recv_payload(
     assert decoded is not None
     for bucket, data in zip(decoded.buckets, buffers, strict=True):
         part = _part(data, split)
-        _compat.recv_from(part, g.transport(bucket.kind), peer)
+        _rooted.recv_from(part, g.transport(bucket.kind), peer)
         if stage is not None:
             all_gather_into(data, part, stage.transport(bucket.kind))
     if decoded.late_status:  # whether the sender could pack every bucket

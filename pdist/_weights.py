@@ -27,7 +27,7 @@ from typing import NamedTuple, cast
 
 import torch
 
-from . import _agree, _compat, _plain, _seams, _wire
+from . import _agree, _plain, _rooted, _seams, _wire
 from ._buffers import allocate
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
@@ -173,7 +173,7 @@ class Move:
                 failure = failure or exc
             if wire is None:  # the step could not be prepared: move the staging's bytes
                 wire = self._fallback(step)
-            _compat.broadcast_from(wire, pg, self.src)
+            _rooted.broadcast_from(wire, pg, self.src)
             if not self.is_src and failure is None:
                 try:
                     self._unpack(step, wire)

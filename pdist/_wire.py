@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _agree, _compat, _plain, _seams
+from . import _agree, _plain, _rooted, _seams
 from ._buffers import allocate, bytes_of, filled
 from ._errors import ERROR, HEADER, OK, PdistError, encode_marker
 from ._group import Group
@@ -124,7 +124,7 @@ def broadcast_bytes(
 ) -> bytes:
     """Broadcast ``payload`` (or the source's ``error``) from group index ``src`` to every rank."""
     group.global_rank(src)
-    move = functools.partial(_compat.broadcast_from, pg=group.cpu_group, index=src)
+    move = functools.partial(_rooted.broadcast_from, pg=group.cpu_group, index=src)
     if group.rank_in_group == src:
         message = frame(payload, error, group.rank)
         _send(message, group, move, lambda: _agree.status(group, None, what=what), what)
@@ -139,7 +139,7 @@ def send_bytes(
 ) -> None:
     """Send ``payload`` (or ``error``) to group index ``dst``, which calls :func:`recv_bytes`."""
     group.global_rank(dst, name="dst")
-    move = functools.partial(_compat.send_to, pg=group.cpu_group, index=dst)
+    move = functools.partial(_rooted.send_to, pg=group.cpu_group, index=dst)
     message = frame(payload, error, group.rank)
     _send(message, group, move, lambda: _agree.hear(group, dst, what=what), what)
     unframe(message, group, what, own=error)
@@ -149,7 +149,7 @@ def send_bytes(
 def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
     """Receive what group index ``src`` sent with :func:`send_bytes`."""
     group.global_rank(src)
-    move = functools.partial(_compat.recv_from, pg=group.cpu_group, index=src)
+    move = functools.partial(_rooted.recv_from, pg=group.cpu_group, index=src)
     data = _receive(group, move, lambda failure: _agree.tell(group, src, failure, what=what), what)
     return unframe(data, group, what)
 

@@ -24,6 +24,7 @@ LAYERS = {
     "_compat": 1,
     "_env": 1,
     "_inflight": 2,
+    "_rooted": 2,
     "_group": 3,
     "_buffers": 4,
     "_agree": 5,
