@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import nox
@@ -85,23 +86,49 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "pdist", "bench", *session.posargs)
 
 
+# Examples that run as two jobs (a trainer and an inference engine): both are started.
+TWO_JOBS = {"weight_sync": ("--role", "trainer", "--role", "inference")}
+
+
+def _torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
+    return [
+        "torchrun",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        script,
+        *args,
+    ]
+
+
 @nox.session
 def examples(session: nox.Session) -> None:
-    """Run the examples on CPU ranks under torchrun, 2 unless NPROC says (pass names to pick)."""
+    """Run the examples on CPU ranks under torchrun, 2 unless NPROC says (pass names to pick).
+
+    A two-job example (``weight_sync``) starts its first job in the background and its
+    second in the foreground; both must succeed.
+    """
     _install(session)
     names = session.posargs or EXAMPLES
+    env = {"OMP_NUM_THREADS": "1"}
     for name in names:
-        session.run(
-            "torchrun",
-            "--nproc-per-node",
-            str(NPROC.get(name, 2)),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "localhost:0",
-            f"examples/{name}.py",
-            env={"OMP_NUM_THREADS": "1"},
-        )
+        script = f"examples/{name}.py"
+        if name not in TWO_JOBS:
+            session.run(*_torchrun(script, nproc=NPROC.get(name, 2)), env=env)
+            continue
+        first, second = TWO_JOBS[name][:2], TWO_JOBS[name][2:]
+        command = _torchrun(script, *first)
+        command[0] = os.path.join(session.bin, "torchrun")  # the session's, not PATH's
+        background = subprocess.Popen(command, env={**os.environ, **env})
+        try:
+            session.run(*_torchrun(script, *second), env=env)
+        finally:
+            rc = background.wait(timeout=300)
+        if rc != 0:
+            session.error(f"{name} {' '.join(first)} exited with status {rc}")
 
 
 @nox.session

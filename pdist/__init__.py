@@ -32,6 +32,7 @@ from ._group import Group as Group
 from ._guard import WORLD_COMM_TIMEOUT_EXIT_CODE as WORLD_COMM_TIMEOUT_EXIT_CODE
 from ._guard import world_comm_guard as world_comm_guard
 from ._guard import world_comm_timeout as world_comm_timeout
+from ._links import link as link
 from ._moe import moe_combine as moe_combine
 from ._moe import moe_dispatch as moe_dispatch
 from ._mq import message_queue as message_queue
@@ -64,6 +65,7 @@ from ._training import grad_sync as grad_sync
 from ._training import sync_model_states as sync_model_states
 from ._training import wrap_ddp as wrap_ddp
 from ._uneven import all_to_all as all_to_all
+from ._weights import broadcast_weights as broadcast_weights
 
 __version__ = "0.1.0"
 
@@ -89,6 +91,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_list",
     "broadcast_tensor_dict",
+    "broadcast_weights",
     "collate_batches",
     "device_mesh",
     "distributed",
@@ -100,6 +103,7 @@ __all__ = [
     "graph_capture",
     "is_local_rank0",
     "is_rank0",
+    "link",
     "message_queue",
     "moe_combine",
     "moe_dispatch",

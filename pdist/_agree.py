@@ -17,6 +17,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from . import _rooted
 from ._buffers import bytes_of, filled
 from ._errors import (
     ERROR,
@@ -136,7 +137,7 @@ def raise_own(
 
 def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
     """Tell group index ``peer`` (in :func:`hear`) whether this end can go on; raises if not."""
-    dist.send(_slot(group.rank, error), dst=group.ranks[peer], group=group.cpu_group)
+    _rooted.send_to(_slot(group.rank, error), group.cpu_group, peer)
     if error is not None:
         raise_own(group, error, what, wrap_pdist=True)
 
@@ -144,7 +145,7 @@ def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> 
 def hear(group: Group, peer: int, *, what: str) -> None:
     """Hear from group index ``peer`` (:func:`tell`) whether it could go on; raises if not."""
     slot = torch.empty(_SLOT, dtype=torch.uint8)
-    dist.recv(slot, src=group.ranks[peer], group=group.cpu_group)
+    _rooted.recv_from(slot, group.cpu_group, peer)
     if int(slot[0]) != OK:
         _raise_from_slots(group, [slot], None, what)
 

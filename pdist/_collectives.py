@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import _check, _launches, _uneven
+from . import _check, _launches, _rooted, _uneven
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
@@ -423,7 +423,7 @@ def gather(
     """
     g = as_group(group)
     _check_tensor(x)
-    dst_global = g.global_rank(dst, name="dst")
+    g.global_rank(dst, name="dst")
     d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
@@ -431,7 +431,7 @@ def gather(
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
     with _check.explaining(g, "gather"):
-        dist.gather(x, outs, dst=dst_global, group=g.device_group)
+        _rooted.gather_to(x, outs, g.device_group, dst)
     return None if outs is None else torch.cat(outs, dim=d)
 
 
@@ -450,13 +450,13 @@ def reduce(
     """
     g = as_group(group)
     _check_op(_check_tensor(x), op, ("sum", "mean"))
-    dst_global = g.global_rank(dst, name="dst")
+    g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
     _check.agree_call(g, "reduce", x, dst=dst, op=op)
     out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
     with _check.explaining(g, "reduce"):
-        dist.reduce(out, dst=dst_global, group=g.device_group)
+        _rooted.reduce_to(out, g.device_group, dst, dist.ReduceOp.SUM)
     if g.rank_in_group != dst:
         return None
     return out.div_(g.world_size) if op == "mean" else out
@@ -550,8 +550,8 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     """
     g = as_group(group)
     _check_tensor(x)
-    peer = g.ranks[g.peer_index(dst, g.next_rank, "dst")]
-    dist.send(_launches.local(x).detach().contiguous(), dst=peer, group=g.device_group)
+    peer = g.peer_index(dst, g.next_rank, "dst")
+    _rooted.send_to(_launches.local(x).detach().contiguous(), g.device_group, peer)
 
 
 @recorded("recv", p2p=True)
@@ -586,7 +586,7 @@ def recv(
     if not isinstance(dtype, torch.dtype):
         msg = f"dtype={dtype!r} must be a torch.dtype, such as torch.float32"
         raise TypeError(msg)
-    peer = g.ranks[g.peer_index(src, g.prev_rank, "src")]
+    peer = g.peer_index(src, g.prev_rank, "src")
     out = torch.empty(tuple(dims), dtype=dtype, device=g.device)
-    dist.recv(out, src=peer, group=g.device_group)
+    _rooted.recv_from(out, g.device_group, peer)
     return out

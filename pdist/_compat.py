@@ -44,6 +44,7 @@ __all__ = [
     "TCPStore",
     "accelerator",
     "all_gather_into",
+    "backend_name",
     "before_destroying_groups",
     "default_store",
     "device_mesh_from_group",
@@ -61,12 +62,15 @@ __all__ = [
     "reduce_scatter_into",
     "register_fake_backend",
     "register_work",
+    "registered",
     "safe_load",
     "set_l2_fetch_granularity",
+    "shutdown_group",
     "sparse_tensors_to_validate",
     "split_group",
     "store_connection",
     "synchronize",
+    "unregistered_group",
     "unsupported",
     "validate_sparse",
     "work_from_future",
@@ -247,6 +251,56 @@ def split_group(
     return dist.split_group(
         parent_pg=parent, split_ranks=[list(b) for b in blocks], timeout=timeout, group_desc=name
     )
+
+
+def unregistered_group(
+    store: Store, rank: int, size: int, backend: str, device: torch.device, timeout: Any
+) -> dist.ProcessGroup:
+    """A process group built straight from ``store``, never entered in torch's group registry.
+
+    What vLLM's ``StatelessProcessGroup`` does: the ``ProcessGroup`` carries one backend for
+    ``device``'s type, so ``torch.distributed`` calls take it (with group-relative
+    ``group_src``/``group_dst``) while ``dist.is_initialized()`` and the job's own groups
+    stay as they were.
+    """
+    pg = dist.ProcessGroup(store, rank, size)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        impl: Any = dist.ProcessGroupNCCL(store, rank, size, options)
+        kind = dist.ProcessGroup.BackendType.NCCL
+    else:
+        impl = dist.ProcessGroupGloo(store, rank, size, timeout)
+        kind = dist.ProcessGroup.BackendType.GLOO
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, impl)
+    if device.type != "cpu" and backend == "gloo":
+        pg._register_backend(torch.device("cpu"), kind, impl)
+    return pg
+
+
+def registered(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg`` is in torch's group registry (a link's groups never are)."""
+    from torch.distributed.distributed_c10d import GroupMember, _world
+
+    return pg is GroupMember.WORLD or pg in _world.pg_group_ranks
+
+
+def backend_name(pg: dist.ProcessGroup) -> str:
+    """The backend of ``pg`` (``"gloo"``, ``"nccl"``): also for a group outside the registry."""
+    try:
+        return str(dist.get_backend(pg))
+    except (ValueError, RuntimeError):  # not in torch's registry (a link's)
+        return str(pg.name())
+
+
+def shutdown_group(pg: dist.ProcessGroup) -> None:
+    """Release an unregistered group's communicator (``destroy_process_group`` cannot)."""
+    before_destroying_groups()
+    shutdown = getattr(pg, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def bound_device(pg: dist.ProcessGroup) -> Any:

@@ -36,6 +36,7 @@ __all__ = [
     "Settings",
     "deadline_seconds",
     "detect_launch",
+    "device_and_backend",
     "env_backend",
     "env_flag",
     "env_seconds",
@@ -367,6 +368,19 @@ def _resolve_backend(
         )
         raise ValueError(msg)
     return backend
+
+
+def device_and_backend(
+    device: str | torch.device | int | None,
+    backend: str | None,
+    index: int,
+    accelerator: Accelerator | None,
+) -> tuple[torch.device, str]:
+    """A device and backend as ``distributed()`` resolves them (``index``: the default one)."""
+    requested = backend if backend is not None else env_backend()
+    source = "backend" if backend is not None else "PDIST_BACKEND"
+    resolved = _resolve_device(device, requested, index, accelerator)
+    return resolved, _resolve_backend(requested, resolved, accelerator, source)
 
 
 def _off_or_seconds(value: float | timedelta, name: str) -> float | None:

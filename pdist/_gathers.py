@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _agree, _payload, _wire
+from . import _agree, _payload, _rooted, _wire
 from ._buffers import ALIGN, allocate, bytes_of, filled, offsets
 from ._compat import all_gather_into
 from ._errors import PdistError
@@ -207,7 +207,7 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
             works.append(all_gather_into(reg.out, plan.sends[kind], pg, async_op=True))
             continue
         works += [
-            dist.broadcast(reg.region(r), src=g.ranks[r], group=pg, async_op=True)
+            _rooted.broadcast_from(reg.region(r), pg, r, async_op=True)
             for r, size in enumerate(reg.sizes)
             if size
         ]
@@ -239,7 +239,8 @@ def _gather_bodies(
         longest,
         lambda failure: _agree.status(g, failure, what=what),
     )
-    dist.gather(buffers[0], buffers[1:] if is_dst else None, dst=dst_global, group=g.cpu_group)
+    dst = g.ranks.index(dst_global)
+    _rooted.gather_to(buffers[0], buffers[1:] if is_dst else None, g.cpu_group, dst)
     return records, [bytes_of(out, rec[1]) for out, rec in zip(buffers[1:], records, strict=False)]
 
 
@@ -282,17 +283,15 @@ def gather_object(
         pg = g.transport(kind)
         if reg.even:
             rows = [reg.row(r) for r in range(g.world_size)] if is_dst else None
-            works.append(
-                dist.gather(plan.sends[kind], rows, dst=dst_global, group=pg, async_op=True)
-            )
+            works.append(_rooted.gather_to(plan.sends[kind], rows, pg, dst, async_op=True))
         elif is_dst:
             works += [
-                dist.irecv(reg.region(r), src=g.ranks[r], group=pg)
+                _rooted.irecv_from(reg.region(r), pg, r)
                 for r, size in enumerate(reg.sizes)
                 if size and r != g.rank_in_group
             ]
         elif reg.sizes[g.rank_in_group]:
-            works.append(dist.isend(plan.sends[kind], dst=dst_global, group=pg))
+            works.append(_rooted.isend_to(plan.sends[kind], pg, dst))
     for work in works:
         work.wait()
     return _rebuilt(g, plan, safe) if is_dst else None

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from . import _compat
+from . import _compat, _rooted
 from ._compat import all_gather_into
 from ._group import Group
 
@@ -135,14 +135,14 @@ def all_reduce_into(group: Group, out: torch.Tensor, op: str) -> Launched:
 
 
 def broadcast_into(group: Group, out: torch.Tensor, src: int) -> Launched:
-    work = dist.broadcast(out, group.ranks[src], group=group.device_group, async_op=True)
+    work = _rooted.broadcast_from(out, group.device_group, src, async_op=True)
     return Launched(out, work)
 
 
 def launch_all_gather(group: Group, x: torch.Tensor, dim: int) -> Launched:
     x, p = x.contiguous(), group.world_size
     direct = math.prod(x.shape[:dim]) == 1
-    if not direct and dist.get_backend(group.device_group) != "gloo":
+    if not direct and _compat.backend_name(group.device_group) != "gloo":
         return _launch_all_gather_generic(group, x, dim)
     out = x.new_empty(resized(x, dim, p * x.shape[dim]))
     if direct:
@@ -166,7 +166,7 @@ def _launch_all_gather_generic(group: Group, x: torch.Tensor, dim: int) -> Launc
 
 
 def launch_reduce_scatter(group: Group, x: torch.Tensor, op: str, dim: int) -> Launched:
-    if dist.get_backend(group.device_group) != "gloo":
+    if _compat.backend_name(group.device_group) != "gloo":
         return _launch_reduce_scatter_generic(group, x, op, dim)
     # gloo's reduce-scatter all-reduces the whole tensor and keeps a chunk; an
     # all-to-all moves (P-1)/P of it once, then each rank reduces the P chunks

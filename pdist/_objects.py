@@ -15,9 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from . import _agree, _payload, _wire
+from . import _agree, _payload, _rooted, _wire
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._serialize import Safe, loads, safe_or_error
@@ -96,7 +95,7 @@ def _broadcasts(
     data: Sequence[torch.Tensor],
 ) -> list[Any]:
     return [
-        dist.broadcast(flat, src=group.ranks[src], group=group.transport(b.kind), async_op=True)
+        _rooted.broadcast_from(flat, group.transport(b.kind), src, async_op=True)
         for b, flat in zip(buckets, data, strict=True)
     ]
 

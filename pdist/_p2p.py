@@ -11,9 +11,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from . import _agree, _wire
+from . import _agree, _rooted, _wire
 from ._buffers import ALIGN
 from ._compat import all_gather_into
 from ._errors import PdistError, RankMismatchError
@@ -68,7 +67,7 @@ def _send_payload(
         return
     _agree.hear(g, peer, what=what)  # the receiver's status: raises if it failed
     works: list[Any] = [
-        dist.isend(_part(flat, split).contiguous(), dst=g.ranks[peer], group=g.transport(b.kind))
+        _rooted.isend_to(_part(flat, split).contiguous(), g.transport(b.kind), peer)
         for b, flat in zip(encoded.buckets, packed, strict=True)
     ]
     for work in works:
@@ -124,7 +123,7 @@ def _recv_payload(
     assert decoded is not None
     for bucket, data in zip(decoded.buckets, buffers, strict=True):
         part = _part(data, split)
-        dist.recv(part, src=g.ranks[peer], group=g.transport(bucket.kind))
+        _rooted.recv_from(part, g.transport(bucket.kind), peer)
         if stage is not None:
             all_gather_into(data, part, stage.transport(bucket.kind))
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)

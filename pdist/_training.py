@@ -7,7 +7,7 @@ import gc
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,8 @@ from torch import nn
 from . import _agree, _compat, _wire
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._objects import broadcast_tensors
 from ._serialize import dtype_name
+from ._weights import SYNC_BUCKET_BYTES, Move, prepare_move, states_of
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
 
@@ -372,8 +372,12 @@ def sync_model_states(
     what = "sync_model_states"
     error: BaseException | None = None
     states: list[tuple[str, torch.Tensor]] = []
+    move: Move | None = None
     try:
         states = _local_states(g, model, src, ignore, broadcast_buffers)
+        if g.world_size > 1:  # staging first, so that failing to allocate it raises on all
+            tensors = [t for _, t in states]
+            move = prepare_move(g, states_of(states), tensors, src, SYNC_BUCKET_BYTES, what=what)
     except Exception as exc:  # also a model whose named_parameters() raises
         error = exc
     if g.world_size == 1:
@@ -385,7 +389,7 @@ def sync_model_states(
     if not _agree.status(g, error, what=what, summary=repr([src, entries])):
         _raise_difference(g, src, entries, what)
     with torch.no_grad():
-        broadcast_tensors(g, [t for _, t in states], src, what=what)
+        cast("Move", move).run()
 
 
 def _raise_difference(g: Group, src: int, entries: list[Any], what: str) -> NoReturn:

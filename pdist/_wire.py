@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import _agree, _plain, _seams
+from . import _agree, _plain, _rooted, _seams
 from ._buffers import allocate, bytes_of, filled
 from ._errors import ERROR, HEADER, OK, PdistError, encode_marker
 from ._group import Group
@@ -123,7 +123,8 @@ def broadcast_bytes(
     group: Group, payload: bytes | None, src: int, *, error: BaseException | None = None, what: str
 ) -> bytes:
     """Broadcast ``payload`` (or the source's ``error``) from group index ``src`` to every rank."""
-    move = functools.partial(dist.broadcast, src=group.global_rank(src), group=group.cpu_group)
+    group.global_rank(src)
+    move = functools.partial(_rooted.broadcast_from, pg=group.cpu_group, index=src)
     if group.rank_in_group == src:
         message = frame(payload, error, group.rank)
         _send(message, group, move, lambda: _agree.status(group, None, what=what), what)
@@ -137,9 +138,8 @@ def send_bytes(
     group: Group, payload: bytes | None, dst: int, *, error: BaseException | None = None, what: str
 ) -> None:
     """Send ``payload`` (or ``error``) to group index ``dst``, which calls :func:`recv_bytes`."""
-    move = functools.partial(
-        dist.send, dst=group.global_rank(dst, name="dst"), group=group.cpu_group
-    )
+    group.global_rank(dst, name="dst")
+    move = functools.partial(_rooted.send_to, pg=group.cpu_group, index=dst)
     message = frame(payload, error, group.rank)
     _send(message, group, move, lambda: _agree.hear(group, dst, what=what), what)
     unframe(message, group, what, own=error)
@@ -148,7 +148,8 @@ def send_bytes(
 @recorded("recv", p2p=True)
 def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
     """Receive what group index ``src`` sent with :func:`send_bytes`."""
-    move = functools.partial(dist.recv, src=group.global_rank(src), group=group.cpu_group)
+    group.global_rank(src)
+    move = functools.partial(_rooted.recv_from, pg=group.cpu_group, index=src)
     data = _receive(group, move, lambda failure: _agree.tell(group, src, failure, what=what), what)
     return unframe(data, group, what)
 

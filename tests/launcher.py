@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,7 @@ class _Zygote:
             env=env,
             start_new_session=True,
         )
+        self._lock = threading.Lock()  # two jobs launched from two threads share the zygote
         self._answer()  # READY: torch is imported
 
     def _answer(self) -> str:
@@ -139,9 +141,10 @@ class _Zygote:
     def fork_host(self, request: dict[str, Any]) -> int:
         """Fork a host leader running ``request``'s ranks; returns its pid (its session id)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return int(self._answer())
+        with self._lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            return int(self._answer())
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -153,9 +156,15 @@ class _Zygote:
 
 
 _zygotes: list[_Zygote] = []  # at most one, alive
+_starting = threading.Lock()
 
 
 def _zygote() -> _Zygote:
+    with _starting:
+        return _started()
+
+
+def _started() -> _Zygote:
     if not _zygotes or _zygotes[0].proc.poll() is not None:
         _zygotes[:] = [_Zygote()]
         atexit.register(_zygotes[0].close)

@@ -24,6 +24,7 @@ LAYERS = {
     "_compat": 1,
     "_env": 1,
     "_inflight": 2,
+    "_rooted": 2,
     "_group": 3,
     "_buffers": 4,
     "_departures": 4,
@@ -53,6 +54,8 @@ LAYERS = {
             "_graph",
             "_uneven",
             "_moe",
+            "_links",
+            "_weights",
         ],
         9,
     ),
@@ -66,7 +69,7 @@ LAYERS = {
 FEATURE_EDGES = {
     ("_gathers", "_objects"),  # the defaults of the object transports
     ("_p2p", "_objects"),  # the defaults, and the tensor-dict check
-    ("_training", "_objects"),  # sync_model_states moves tensors with broadcast_tensors
+    ("_training", "_weights"),  # sync_model_states moves tensors as broadcast_weights does
     ("_mq", "_topology"),  # a queue needs every rank on one host
     ("_sequence", "_collectives"),  # Ulysses attention is two all_to_all_4d
     ("_collectives", "_launches"),  # the runner and how each collective runs
@@ -74,6 +77,7 @@ FEATURE_EDGES = {
     ("_uneven", "_launches"),  # an AsyncCollectiveTensor input is waited for as everywhere
     ("_moe", "_uneven"),  # routing is two row all-to-alls and one counts exchange
     ("_sequence", "_uneven"),  # uneven Ulysses: the sizes exchange and row all-to-alls
+    ("_links", "_context"),  # a link resolves its device as distributed() does
     ("_context", "_subgroups"),
     ("_context", "_topology"),
     ("_context", "_guard"),

@@ -70,6 +70,9 @@ PUBLIC = {
     "WORLD_COMM_TIMEOUT_EXIT_CODE",
     # stalls
     "STALL_EXIT_CODE",
+    # links and weights
+    "link",
+    "broadcast_weights",
     # same host
     "message_queue",
     "graph_capture",

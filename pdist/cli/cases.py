@@ -307,6 +307,24 @@ def _collate(ctx: DistContext, stack: Stack) -> Fns:
     }
 
 
+def _weights(count: int, numel: int, ctx: DistContext, stack: Stack) -> Fns:
+    """broadcast_weights of ``count`` fp32 tensors into the receivers' own, vs a broadcast loop."""
+    ours = {f"layer.{i}.weight": torch.full((numel,), float(i)) for i in range(count)}
+    theirs, pg = [t.clone() for t in ours.values()], ctx.world.device_group
+
+    def loop() -> None:  # what weight sync code writes today
+        for t in theirs:
+            dist.broadcast(t, 0, group=pg)
+
+    source = ctx.rank == 0
+    return {
+        "pdist": lambda: pdist.broadcast_weights(
+            ctx, ours if source else None, into=None if source else ours
+        ),
+        "broadcast_loop": loop,
+    }
+
+
 def _message_queue(ctx: DistContext, stack: Stack) -> Fns:
     """Back-to-back broadcasts of a small dict through shared memory vs torch's object broadcast."""
     obj, group = {"step": 3, "lr": 0.1}, stack.enter_context(pdist.message_queue(ctx.world))
@@ -324,6 +342,8 @@ CASES = [
     Case("collate_batches 32 x [5000, 8]", 32 * 5000 * 8 * 4, _collate),
     Case("message_queue broadcast_object small dict", 32, _message_queue, 1000),
     *EXPERT_CASES,
+    Case("broadcast_weights 1000 x 64 KiB", 1000 * (64 << 10), partial(_weights, 1000, 16 << 10)),
+    Case("broadcast_weights 8 x 16 MiB", 8 * (16 << 20), partial(_weights, 8, 4 << 20)),
 ]
 
 

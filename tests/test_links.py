@@ -1,0 +1,232 @@
+"""Links: Groups of members of separate jobs, joined at an address, outside torch's default group.
+
+Every member is a real process started from a script (``launcher.run_ranks``); two jobs
+are two launches, each with its own store (its own ``MASTER_PORT``), sharing only the
+link's address.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import pytest
+from launcher import RankResult, run_ranks
+
+import pdist
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def passed(results: list[RankResult], ranks: int) -> None:
+    """Every rank ended with status 0 and printed ``OK``."""
+    assert len(results) == ranks
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.output}"
+        assert "OK" in r.output, f"rank {r.rank}:\n{r.output}"
+
+
+def run_jobs(jobs: list[tuple[str, int]], *, timeout: float, env: dict[str, str]) -> list[Any]:
+    """Launch each ``(script, world_size)`` as its own job at once; their results in order."""
+    out: list[Any] = [None] * len(jobs)
+
+    def launch(i: int) -> None:
+        out[i] = run_ranks(jobs[i][0], jobs[i][1], timeout=timeout, env=env)
+
+    threads = [threading.Thread(target=launch, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+PLAIN = """
+    import os
+    import torch, torch.distributed as dist
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    trio, pair = os.environ["LINK_A"], os.environ["LINK_B"]
+
+    def check(g, label):
+        n = g.world_size
+        assert g.ranks == tuple(range(n)) and g.rank == g.rank_in_group
+        got = pdist.all_gather_object(g, (label, g.rank))
+        assert got == [(label, r) for r in range(n)], got
+        x = pdist.all_reduce(g, torch.full((3,), float(g.rank + 1)))
+        assert x.tolist() == [n * (n + 1) / 2] * 3, x
+        last = pdist.broadcast_object(g, {"from": g.rank}, src=n - 1)
+        assert last == {"from": n - 1}, last
+        t = pdist.broadcast(g, torch.arange(4.0) * (g.rank + 1), src=n - 1)
+        assert t.tolist() == [0.0, n, 2.0 * n, 3.0 * n], t
+        got = pdist.gather_object(g, g.rank, dst=n - 1)
+        assert got == (list(range(n)) if g.rank == n - 1 else None), got
+        if g.rank == 0:
+            pdist.send_object(g, label, dst=1)
+        elif g.rank == 1:
+            assert pdist.recv_object(g, src=0) == label
+        assert pdist.same_node_ranks(g) == list(range(n))
+        pdist.barrier(g)
+
+    with pdist.link(trio, rank=rank, world_size=3, timeout=60, name="trio") as a:
+        check(a, "trio")
+        if rank > 0:
+            with pdist.link(pair, rank=rank - 1, world_size=2, timeout=60, name="pair") as b:
+                check(b, "pair")
+                check(a, "trio")  # both open at once
+        else:
+            check(a, "trio")
+    assert not dist.is_initialized()
+    print("OK")
+"""
+
+
+def test_links_between_plain_processes() -> None:
+    """Three plain processes: a link of 3 and one of 2 open at once; torch's world stays unset."""
+    env = {"LINK_A": f"127.0.0.1:{free_port()}", "LINK_B": f"127.0.0.1:{free_port()}"}
+    passed(run_ranks(PLAIN, 3, timeout=120, env=env), 3)
+
+
+JOB = """
+    import os
+    import torch, torch.distributed as dist
+    import pdist
+
+    role = os.environ["ROLE"]
+    with pdist.distributed() as ctx:
+        member = 0 if role == "trainer" else 1 + ctx.rank
+        if role == "inference" or ctx.rank == 0:
+            with pdist.link(os.environ["LINK"], rank=member, world_size=3, timeout=60) as g:
+                got = pdist.all_gather_object(g, (role, ctx.rank))
+                assert got == [("trainer", 0), ("inference", 0), ("inference", 1)], got
+                x = pdist.all_reduce(g, torch.tensor([float(member + 1)]))
+                assert x.item() == 6.0, x
+                assert pdist.same_node_ranks(g) == [0, 1, 2]
+                assert dist.get_world_size() == 2 and dist.get_rank() == ctx.rank
+                # The weight sync: the trainer's fp32 model into both bf16 inference models.
+                torch.manual_seed(0)
+                trained = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+                if role == "trainer":
+                    pdist.broadcast_weights(g, trained.state_dict(), bucket_bytes=1024)
+                else:
+                    torch.manual_seed(1)
+                    served = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+                    served = served.to(torch.bfloat16)
+                    pdist.broadcast_weights(g, into=served.state_dict(), bucket_bytes=1024)
+                    for name, t in served.state_dict().items():
+                        want = trained.state_dict()[name].to(torch.bfloat16)
+                        assert torch.equal(t, want), name
+        # The job's own world still works after the link.
+        assert pdist.all_reduce(ctx.world, torch.ones(1)).item() == 2.0
+        assert pdist.all_gather_object(ctx, ctx.rank) == [0, 1]
+    print("OK")
+"""
+
+
+def test_link_between_two_jobs() -> None:
+    """Trainer rank 0 and both inference ranks (two jobs) link; weights reach the bf16 models."""
+    link = f"127.0.0.1:{free_port()}"
+    trainer, inference = run_jobs(
+        [(JOB.replace('os.environ["ROLE"]', '"trainer"'), 2), (JOB, 2)],
+        timeout=120,
+        env={"LINK": link, "ROLE": "inference"},
+    )
+    passed(trainer, 2)
+    passed(inference, 2)
+
+
+MISSING = """
+    import os, time
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    if rank == 2:
+        time.sleep(60)  # never joins
+    if rank == 1:
+        time.sleep(1.5)  # joins later: member 0 gives up first
+    start = time.monotonic()
+    try:
+        with pdist.link(os.environ["LINK"], rank=rank, world_size=3, timeout=3):
+            print("JOINED")
+    except pdist.PdistError as exc:
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}")
+    print("OK")
+"""
+
+
+def test_member_that_never_comes() -> None:
+    """A member that never joins: every other member raises naming it, within timeout + 15 s."""
+    results = run_ranks(
+        MISSING, 3, timeout=60, env={"LINK": f"127.0.0.1:{free_port()}"}, wait_for=[0, 1]
+    )
+    for r in results[:2]:
+        assert r.returncode == 0, r.output
+        assert "RAISED after" in r.output, r.output
+        assert "link rank(s) [2] did not join" in r.output, r.output
+        assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 3 + 15
+
+
+ROUNDS = """
+    import os
+    import torch
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    for i in range(20):
+        with pdist.link(os.environ["LINK"], rank=rank, world_size=2, timeout=30) as g:
+            assert pdist.all_reduce(g, torch.tensor([float(i)])).item() == 2.0 * i
+    print("OK")
+"""
+
+
+def test_twenty_links_in_a_row() -> None:
+    """One address hosts 20 links one after another."""
+    passed(run_ranks(ROUNDS, 2, timeout=120, env={"LINK": f"127.0.0.1:{free_port()}"}), 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"address": "nohost", "rank": 0, "world_size": 2}, "address='nohost'"),
+        ({"address": "h:1", "rank": 2, "world_size": 2}, "rank=2"),
+        ({"address": "h:1", "rank": 0, "world_size": 0}, "world_size=0"),
+    ],
+)
+def test_link_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    """Bad arguments raise ValueError naming the parameter before anything connects."""
+    with pytest.raises(ValueError, match=match), pdist.link(**kwargs):
+        pass
+
+
+HOST_MISSING = """
+    import os, time
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        time.sleep(60)  # the store's host never comes
+    start = time.monotonic()
+    try:
+        with pdist.link(os.environ["LINK"], rank=rank, world_size=3, timeout=3):
+            print("JOINED")
+    except pdist.PdistError as exc:
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}")
+    print("OK")
+"""
+
+
+def test_host_that_never_comes() -> None:
+    """Member 0 (the store's host) never comes: the others raise naming link rank 0."""
+    results = run_ranks(
+        HOST_MISSING, 3, timeout=60, env={"LINK": f"127.0.0.1:{free_port()}"}, wait_for=[1, 2]
+    )
+    for r in results[1:]:
+        assert "link rank(s) [0] did not join" in r.output, r.output
+        assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 3 + 15

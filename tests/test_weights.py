@@ -1,0 +1,172 @@
+"""broadcast_weights: names agreed first, into filled in place (cast), buckets, dead sources."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launcher import run_ranks
+from test_links import free_port, passed
+
+import pdist
+from pdist.testing import world_sizes
+
+SHAPES = {"embed": (300, 64), "norm": (64,), "head": (64, 300), "bias": (7,), "step": ()}
+
+
+def weights() -> dict[str, torch.Tensor]:
+    """The trainer's fp32 weights, the same on every process (computed independently)."""
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+
+
+@world_sizes(2, 3)
+def test_bf16_into_filled_in_place(ctx):
+    """Receivers' bf16 into (one non-contiguous) gets the source's fp32 weights cast, in place."""
+    src = ctx.world_size - 1
+    mine = weights()
+    into = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    into["head"] = torch.zeros(300, 64, dtype=torch.bfloat16).t()  # non-contiguous
+    before = {n: t.data_ptr() for n, t in into.items()}
+    tensors = mine if ctx.rank == src else None
+    # Small buckets: packed buckets and chunked large tensors both happen.
+    out = pdist.broadcast_weights(ctx, tensors, src=src, into=into, bucket_bytes=16 << 10)
+    assert out is into
+    for n, t in into.items():
+        assert t.data_ptr() == before[n]
+        torch.testing.assert_close(t, mine[n].to(torch.bfloat16), rtol=0, atol=0)
+
+
+@world_sizes(2, 3)
+def test_new_dict_without_into(ctx):
+    """Without into every member gets a new dict equal to the source's tensors."""
+    mine = weights()
+    out = pdist.broadcast_weights(ctx, mine if ctx.rank == 0 else None, bucket_bytes=4096)
+    assert list(out) == list(SHAPES)
+    for n, t in out.items():
+        assert t.dtype == torch.float32
+        assert torch.equal(t, mine[n])
+        if ctx.rank != 0:
+            assert t.data_ptr() != mine[n].data_ptr()
+
+
+MISMATCHES = [
+    (lambda into: into.pop("norm"), r"'norm' \(shape \[64\] on the source.*missing"),
+    (lambda into: into.update(head=torch.zeros(64, 301)), r"'head'.*\[64, 300\].*\[64, 301\]"),
+    (lambda into: into.update(extra=torch.zeros(2)), r"'extra' \(shape \[2\]"),
+]
+
+
+@world_sizes(3)
+def test_mismatch_raises_everywhere_and_leaves_into_alone(ctx):
+    """A name missing from / extra in one receiver's into, or another shape, raises everywhere."""
+    for change, match in MISMATCHES:
+        into = {n: torch.full(s, 5.0) for n, s in SHAPES.items()}
+        if ctx.rank == 2:
+            change(into)
+        kept = {n: t.clone() for n, t in into.items()}
+        with pytest.raises(pdist.PdistError, match=match):
+            pdist.broadcast_weights(ctx, weights() if ctx.rank == 0 else None, into=into)
+        for n, t in into.items():
+            assert torch.equal(t, kept[n])
+        assert pdist.all_reduce(ctx, torch.ones(1)).item() == 3.0  # the group still works
+
+
+@world_sizes(2)
+def test_bad_source_raises_everywhere(ctx):
+    """A source that passes no mapping: every member raises naming the argument."""
+    with pytest.raises(pdist.PdistError, match="tensors=None on the source"):
+        pdist.broadcast_weights(ctx, None, into={} if ctx.rank else None)
+
+
+DEAD_SOURCE = """
+    import os, time
+    import torch
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    with pdist.link(os.environ["LINK"], rank=rank, world_size=3, timeout=10) as g:
+        pdist.barrier(g)  # the link is up
+        if rank == 0:
+            os._exit(3)  # the source goes away before sending
+        start = time.monotonic()
+        try:
+            pdist.broadcast_weights(g, into={"w": torch.zeros(4)})
+        except pdist.PdistError as exc:
+            print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}")
+    print("OK")
+"""
+
+
+def test_source_exits_before_sending() -> None:
+    """The source exits before sending: both receivers raise, neither hangs."""
+    results = run_ranks(DEAD_SOURCE, 3, timeout=90, env={"LINK": f"127.0.0.1:{free_port()}"})
+    for r in results[1:]:
+        assert r.returncode == 0, r.output
+        assert "RAISED after" in r.output, r.output
+        assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 10 + 15
+
+
+MEMORY = """
+    import os, resource
+    import torch
+    import pdist
+
+    def peak_mib():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    rank = int(os.environ["RANK"])
+    n = 64  # 64 x 4 MiB fp32 = 256 MiB, plus 512 small tensors (2 MiB)
+    with pdist.link(os.environ["LINK"], rank=rank, world_size=2, timeout=60) as g:
+        if rank == 0:
+            tensors = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(n)}
+            tensors.update({f"s{i}": torch.full((1024,), float(i % 100)) for i in range(512)})
+            into = None
+        else:
+            tensors = None
+            into = {f"w{i}": torch.zeros(1 << 20) for i in range(n)}
+            into.update({f"s{i}": torch.zeros(1024, dtype=torch.bfloat16) for i in range(512)})
+        pdist.barrier(g)
+        base = peak_mib()
+        pdist.broadcast_weights(g, tensors, into=into, bucket_bytes=16 << 20)
+        grown = peak_mib() - base
+        if rank == 1:
+            assert all(into[f"w{i}"][0].item() == i for i in range(n))
+            assert all(into[f"s{i}"][-1].item() == i % 100 for i in range(512))
+        print(f"GREW {grown:.1f} MiB")
+        assert grown < 100, grown
+    print("OK")
+"""
+
+
+def test_peak_memory_stays_within_buckets() -> None:
+    """256 MiB of weights in 16 MiB buckets: peak RSS grows well under 100 MiB on both sides."""
+    passed(run_ranks(MEMORY, 2, timeout=120, env={"LINK": f"127.0.0.1:{free_port()}"}), 2)
+
+
+DEAD_RECEIVER = """
+    import os, time
+    import torch
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    with pdist.link(os.environ["LINK"], rank=rank, world_size=3, timeout=10) as g:
+        pdist.barrier(g)
+        if rank == 2:
+            os._exit(3)  # a receiver goes away while the source sends
+        weights = {f"w{i}": torch.ones(1 << 18) for i in range(8)}  # 8 MiB
+        start = time.monotonic()
+        try:
+            pdist.broadcast_weights(g, weights if rank == 0 else None, bucket_bytes=1 << 20)
+        except pdist.PdistError as exc:
+            print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}")
+    print("OK")
+"""
+
+
+def test_receiver_exits_while_the_source_sends() -> None:
+    """A receiver goes away: the source and the other receiver raise, neither hangs."""
+    results = run_ranks(DEAD_RECEIVER, 3, timeout=90, env={"LINK": f"127.0.0.1:{free_port()}"})
+    for r in results[:2]:
+        assert r.returncode == 0, r.output
+        assert "RAISED after" in r.output, r.output
+        assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 10 + 15
