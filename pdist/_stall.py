@@ -506,15 +506,19 @@ class Watch:
 
 def _bounded(call: Callable[[], object], seconds: float) -> bool:
     """Run ``call`` in a daemon thread; whether it returned within ``seconds`` without raising."""
-    done = threading.Event()
+    done, returned = threading.Event(), []
 
     def run() -> None:
-        with contextlib.suppress(Exception):  # a store gone with its host
+        try:
             call()
+            returned.append(True)
+        except Exception:  # a store gone with its host: say so at once, not after the bound
+            pass
+        finally:
             done.set()
 
     threading.Thread(target=run, name="pdist-stall-store", daemon=True).start()
-    return done.wait(seconds)
+    return done.wait(seconds) and bool(returned)
 
 
 def _answers(conn: Store) -> bool:
