@@ -29,7 +29,7 @@ from ._compat import Store, TCPStore
 from ._errors import PdistError
 from ._group import Group, Lifetime
 
-__all__ = ["PeerLeftError", "explained", "left_block", "record"]
+__all__ = ["PeerLeftError", "StoreGoneError", "bounded", "explained", "left_block", "record"]
 
 T = TypeVar("T")
 
@@ -53,12 +53,16 @@ class PeerLeftError(PdistError):
         self.store_gone = store_gone
 
 
-class _StoreGoneError(Exception):
+class StoreGoneError(Exception):
     """The store did not answer within the wait."""
 
 
-def _bounded(fn: Callable[[], T]) -> T:
-    """``fn()`` on a daemon thread, waited on for :data:`_WAIT` seconds at most."""
+def bounded(fn: Callable[[], T], seconds: float = _WAIT, name: str = "pdist-exit-records") -> T:
+    """``fn()`` on a daemon thread, waited on for ``seconds`` at most (else StoreGoneError).
+
+    torch's store client can wait without end on a store whose host is gone without closing
+    the connection: such a call is left behind in its daemon thread, never the caller.
+    """
     box: list[T] = []
     errors: list[BaseException] = []
 
@@ -68,12 +72,12 @@ def _bounded(fn: Callable[[], T]) -> T:
         except BaseException as exc:  # reported to the caller below
             errors.append(exc)
 
-    thread = threading.Thread(target=run, name="pdist-exit-records", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join(_WAIT)
+    thread.join(seconds)
     if box:
         return box[0]
-    raise _StoreGoneError from (errors[0] if errors else None)
+    raise StoreGoneError from (errors[0] if errors else None)
 
 
 def _connection(store: Store) -> Store:
@@ -120,8 +124,8 @@ def record(lifetime: Lifetime, rank: int, exc: BaseException, *, echo: bool = Fa
         conn.set(f"{prefix}/left/{rank}", line)
         conn.add(f"{prefix}/left/count", 1)
 
-    with contextlib.suppress(_StoreGoneError):  # nobody can read it either
-        _bounded(write)
+    with contextlib.suppress(StoreGoneError):  # nobody can read it either
+        bounded(write)
 
 
 def _read(lifetime: Lifetime, ranks: tuple[int, ...]) -> list[str]:
@@ -137,7 +141,7 @@ def _read(lifetime: Lifetime, ranks: tuple[int, ...]) -> list[str]:
         keys = [f"{prefix}/left/{r}" for r in ranks]
         return [conn.get(k).decode(errors="replace") for k in keys if conn.check([k])]
 
-    lines = _bounded(read)
+    lines = bounded(read)
     primary = [line[1:] for line in lines if line.startswith(_PRIMARY)]
     return primary or [line[1:] for line in lines]
 
@@ -153,7 +157,7 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     where = f"this rank was in {what} on group {group.name!r}"
     try:
         lines = _read(group.lifetime, others)
-    except _StoreGoneError:
+    except StoreGoneError:
         msg = (
             f"{what} on group {group.name!r} failed, and the rendezvous store does not answer "
             "either, so pdist cannot tell which rank left: the store's host (rank 0, or the "
@@ -177,7 +181,7 @@ def left_block(lifetime: Lifetime, rank: int, world_size: int, exc: BaseExceptio
         # Perhaps a collective pdist does not run (DDP, a raw dist.all_reduce) failed.
         try:
             lines = _read(lifetime, tuple(r for r in range(world_size) if r != rank))
-        except _StoreGoneError:
+        except StoreGoneError:
             gone = True
             lines = ["the rendezvous store does not answer: its host (rank 0) most likely exited"]
         if lines:

@@ -66,7 +66,7 @@ MAX_MARKER_TEXT = 16 << 10
 
 
 def kind_name(error: BaseException) -> str:
-    """The type name a failure travels under (a :func:`translated` error: the type it stands as)."""
+    """The type name a failure travels under (a joined ``RemoteX`` error: the one it stands as)."""
     return str(getattr(type(error), "_pdist_kind", type(error).__name__))
 
 

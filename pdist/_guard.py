@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from . import _compat, _env
 from ._compat import Store
+from ._departures import StoreGoneError, bounded
 from ._errors import PdistError
 from ._group import DistContext
 
@@ -66,20 +67,21 @@ def _missing(store: Store, keys: list[str]) -> list[int] | None:
     Reads through a clone of ``store``, whose connection the stuck main thread may hold,
     in a thread that the watchdog never waits on (a dead store can hang it).
     """
-    found: list[int] = []
-    done = threading.Event()
 
-    def read() -> None:
+    def read() -> list[int]:
         bound = timedelta(seconds=_STORE_READ_SECONDS)
         reader = _compat.store_connection(store, bound) or store  # a file store reads as is
+        found: list[int] = []
         for start in range(0, len(keys), _CHECK_CHUNK):
             chunk = keys[start : start + _CHECK_CHUNK]
             if not reader.check(chunk):
                 found.extend(start + i for i, key in enumerate(chunk) if not reader.check([key]))
-        done.set()
+        return found
 
-    threading.Thread(target=read, name="pdist-checkin-read", daemon=True).start()
-    return list(found) if done.wait(_STORE_READ_SECONDS) else None
+    try:
+        return bounded(read, _STORE_READ_SECONDS, "pdist-checkin-read")
+    except StoreGoneError:
+        return None
 
 
 class Deadline:

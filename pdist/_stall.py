@@ -39,6 +39,7 @@ import torch
 
 from . import _compat, _plain
 from ._compat import PrefixStore, Store
+from ._departures import StoreGoneError, bounded
 from ._group import Group, Lifetime
 from ._guard import end_process
 from ._inflight import InFlight
@@ -344,7 +345,11 @@ class Watch:
             control.set(key, "exit")
             control.check([key])  # a round trip: the store answers
 
-        answers = control is not None and _bounded(wake, bound)
+        answers = False
+        with contextlib.suppress(StoreGoneError):  # a store gone with its host
+            if control is not None:
+                bounded(wake, bound, "pdist-stall-store")
+                answers = True
         self._mine.add(key)
         for thread in self._threads:
             thread.join(timeout=bound if answers else 0.5)
@@ -352,7 +357,10 @@ class Watch:
                 logger.warning("pdist: rank %d: the %s thread did not end", self.rank, thread.name)
         if answers and control is not None:
             keys = sorted(self._mine)
-            _bounded(lambda: [control.delete_key(key) for key in keys], bound)
+            with contextlib.suppress(StoreGoneError):
+                bounded(
+                    lambda: [control.delete_key(key) for key in keys], bound, "pdist-stall-store"
+                )
 
     # ------------------------------------------------------------------ polling side
 
@@ -502,23 +510,6 @@ class Watch:
             conn.add(f"exiting/{k}", 1)
             while conn.add(f"exiting/{k}", 0) < told and time.monotonic() < deadline:
                 time.sleep(0.05)
-
-
-def _bounded(call: Callable[[], object], seconds: float) -> bool:
-    """Run ``call`` in a daemon thread; whether it returned within ``seconds`` without raising."""
-    done, returned = threading.Event(), []
-
-    def run() -> None:
-        try:
-            call()
-            returned.append(True)
-        except Exception:  # a store gone with its host: say so at once, not after the bound
-            pass
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="pdist-stall-store", daemon=True).start()
-    return done.wait(seconds) and bool(returned)
 
 
 def _answers(conn: Store) -> bool:
