@@ -1,18 +1,27 @@
 """A small mixture-of-experts layer with expert parallelism, trained a few steps.
 
-Each rank holds ``EXPERTS / P`` experts (expert ``e`` on rank ``e // (EXPERTS / P)``)
-and its own batch of tokens. A replicated router picks each token's top-2
-experts; ``pdist.moe_dispatch`` sends the tokens to the ranks of their experts,
-grouped by local expert, each expert runs on its rows, and ``pdist.moe_combine``
-brings the outputs back, weighted by the router. The router's gradients are
-summed over the ranks (it is replicated); the experts' arrive complete through
-the backward all-to-all. After every step the weights equal those of one
-process that runs every expert on every rank's tokens.
+``pdist.distributed(ep=2)`` makes ``ctx.ep`` the expert-parallel group (blocks of 2
+consecutive ranks) and ``ctx.edp`` the ranks at the same place in their blocks,
+which hold the same experts. Each rank of an ``ep`` group holds ``EXPERTS / ep``
+experts (expert ``e`` on its group rank ``e // (EXPERTS / ep)``), and every rank
+has its own batch of tokens (data parallelism over all ranks). A replicated router
+picks each token's top-2 experts; ``pdist.moe_dispatch`` sends the tokens to the
+ranks of their experts, grouped by local expert, each expert runs on its rows,
+and ``pdist.moe_combine`` brings the outputs back, weighted by the router.
 
-torchrun --nproc-per-node 2 examples/moe.py   (or plain python: one rank)
+Gradients, for a loss averaged over the data-parallel ranks: the router's are
+averaged over ``ctx.dp_sp`` like any dense weight's. An expert's arrive through
+the backward all-to-all already summed over its ``ep`` group's tokens, so they are
+summed over ``ctx.edp`` and divided by the data-parallel size (averaging over
+``edp`` alone would leave them ``ep`` times too large). After every step the
+weights equal those of one process that runs every expert on every rank's tokens.
+
+torchrun --nproc-per-node 2 examples/moe.py   (also 4; or plain python: one rank)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -54,20 +63,24 @@ class MoE(nn.Module):
 
 
 def main() -> None:
-    with pdist.distributed() as ctx:
-        group, p, r = ctx.world, ctx.world_size, ctx.rank  # ctx.ep with distributed(ep=...)
+    # ep=2 needs a world size that 2 divides; one rank (plain python) holds every expert.
+    ep = 2 if int(os.environ.get("WORLD_SIZE", "1")) % 2 == 0 else 1
+    with pdist.distributed(ep=ep) as ctx:
+        p, r = ctx.ep.world_size, ctx.ep.rank_in_group  # this rank's place among the experts
         local = EXPERTS // p
         model, reference = MoE(r * local, local), MoE(0, EXPERTS)
         gen = torch.Generator().manual_seed(1)
-        data = [torch.randn(p, TOKENS, DIM, generator=gen) for _ in range(STEPS)]
+        data = [torch.randn(ctx.world_size, TOKENS, DIM, generator=gen) for _ in range(STEPS)]
         for step, batch in enumerate(data):  # batch[i]: rank i's tokens
             target = batch.flip(-1)
-            loss = functional.mse_loss(model(group, batch[r]), target[r], reduction="sum")
-            loss.backward()
-            pdist.all_reduce_(group, model.router.weight.grad)  # replicated: sum over ranks
-            pdist.all_reduce_(group, model.router.bias.grad)
-            full = reference.reference(batch.flatten(0, 1))
-            functional.mse_loss(full, target.flatten(0, 1), reduction="sum").backward()
+            out = model(ctx.ep, batch[ctx.rank])
+            functional.mse_loss(out, target[ctx.rank]).backward()
+            for w in model.router.parameters():  # replicated: averaged as dense weights are
+                pdist.all_reduce_(ctx.dp_sp, w.grad, op="mean")
+            for w in model.experts.parameters():  # summed over ep already; over edp here
+                pdist.all_reduce_(ctx.edp, w.grad).div_(ctx.dp_sp.world_size)
+            full = reference.reference(batch.flatten(0, 1))  # every rank's tokens at once
+            functional.mse_loss(full, target.flatten(0, 1)).backward()
             with torch.no_grad():
                 for m in (model, reference):
                     for w in m.parameters():
@@ -80,8 +93,8 @@ def main() -> None:
                 torch.testing.assert_close(expert.bias, theirs.bias, msg=f"step {step}")
         if pdist.is_rank0(ctx):
             print(
-                f"MoE layer over {p} rank(s), {EXPERTS} experts, top-{TOP}: {STEPS} SGD steps "
-                "match one process running every expert"
+                f"MoE layer over {ctx.world_size} rank(s), ep={p}, {EXPERTS} experts, top-{TOP}: "
+                f"{STEPS} SGD steps match one process running every expert"
             )
 
 

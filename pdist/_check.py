@@ -22,11 +22,11 @@ from collections.abc import Iterator
 import torch
 
 from . import _departures
-from ._agree import check_same
+from ._agree import check_same, status
 from ._errors import PdistError
 from ._group import Group
 
-__all__ = ["HINT", "agree_call", "enabled", "explaining"]
+__all__ = ["HINT", "agree_args", "agree_call", "describe", "enabled", "explaining"]
 
 _MISMATCH = ("mismatch", "does not match", "doesn't match")  # the backends' words
 
@@ -41,9 +41,17 @@ def enabled(group: Group) -> bool:
     return bool(getattr(group.lifetime, "check", False))
 
 
-def _describe(x: torch.Tensor) -> str:
+def describe(x: object, *, dim: int | None = None, rows: bool = False) -> str:
+    """``shape (2, 3) float32 on cpu``; ``dim``: that size shown as ``*``; ``rows``: dims 1 on."""
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    shape: list[object] = list(x.shape)
+    if dim is not None and -len(shape) <= dim < len(shape):
+        shape[dim] = "*"  # the dim whose size may differ between ranks
     dtype = str(x.dtype).replace("torch.", "")
-    return f"shape {tuple(x.shape)} {dtype} on {x.device.type}"
+    if rows:
+        return f"rows of shape {tuple(shape[1:])} {dtype} on {x.device.type}"
+    return f"shape {tuple(shape)} {dtype} on {x.device.type}"
 
 
 def agree_call(group: Group, name: str, x: torch.Tensor, /, **fields: object) -> None:
@@ -56,11 +64,30 @@ def agree_call(group: Group, name: str, x: torch.Tensor, /, **fields: object) ->
     Raises:
         RankMismatchError: On every rank, when any rank's summary differs.
     """
+    agree_args(group, name, describe(x), None, **fields)
+
+
+def agree_args(
+    group: Group, name: str, tensor: str, error: BaseException | None, /, **fields: object
+) -> None:
+    """:func:`agree_call` for a described ``tensor``, carrying this rank's argument ``error``.
+
+    In check mode a rank whose local checks failed (``error``) makes every rank raise
+    that error (the first failing rank's, naming it), in the same one small all-reduce
+    that compares the summaries; off, nothing happens and the caller raises ``error``
+    itself. Every rank of ``group`` must call it.
+
+    Raises:
+        RankMismatchError: On every rank, when any rank's summary differs.
+        ValueError: On every rank (or TypeError, as ``error``), when a rank passed one.
+    """
     if group.world_size == 1 or not enabled(group) or torch.compiler.is_compiling():
         return
-    summary = ", ".join([f"{name}: {_describe(x)}", *(f"{k}={v!r}" for k, v in fields.items())])
+    summary = ", ".join([f"{name}: {tensor}", *(f"{k}={v!r}" for k, v in fields.items())])
     with explaining(group, name):  # a peer gone meanwhile is named as in the collective
-        check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
+        if not status(group, error, what=f"{name} (check mode)", summary=summary):
+            # The summaries travel, only now.
+            check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
 
 
 @contextlib.contextmanager

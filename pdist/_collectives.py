@@ -339,7 +339,8 @@ def all_gather(
 
     ``sizes``: each rank's size along ``dim``, for uneven shards (one all-to-all of
     rows; every rank passes the same list, and the caller vouches for the other ranks'
-    entries). None: equal sizes.
+    entries: only ``sizes[me]`` is checked, against ``x``; check mode verifies the
+    lists on every rank). None: equal sizes.
 
     Note:
         All ranks of the group must call it with tensors of the same shape and dtype
@@ -394,7 +395,8 @@ def reduce_scatter(
         All ranks of the group must call it with tensors of the same shape and dtype.
 
     ``sizes``: each rank's share of ``dim``, for uneven shards (rank ``r`` gets
-    part ``r`` of ``x.split(sizes, dim)``; every rank passes the same list). None: equal.
+    part ``r`` of ``x.split(sizes, dim)``; every rank passes the same list, which the
+    caller vouches for and check mode verifies on every rank). None: equal.
 
     Returns:
         Chunk ``r`` of ``x.chunk(world_size, dim)`` (of ``x.split(sizes, dim)``), reduced;

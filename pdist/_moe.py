@@ -16,6 +16,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from . import _check
+from ._errors import RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._uneven import exchange, rows
 
@@ -52,8 +54,45 @@ class Routed:
     shape: tuple[int, int] = attrs.field(repr=False)  # (T, K)
 
 
-def _check(tokens: object, expert_ids: object, num_experts: int) -> None:
+def _record_width(num_experts: object, p: int) -> int:
+    """The counts exchange's record: ``num_experts``, then ``E/P`` counts, padded.
+
+    Every rank must send records of one width, and the width follows ``E/P``: ranks
+    that disagree on ``num_experts`` would send different sizes, and the exchange
+    itself would hang or abort rather than fail together. Rounded up to a power of
+    two of at least 16 counts, the width is the same for every ``num_experts`` that
+    gives at most 16 experts per rank (and for any two within a factor of 2 above
+    that), so ``num_experts`` travels in the record and a difference is seen by
+    every rank.
+    """
+    local = 0
+    if isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts > 0:
+        local = -(-num_experts // p)  # a bad one (not a multiple) still sends a marker as wide
+    return 1 + max(16, 1 << max(local - 1, 0).bit_length())
+
+
+def _same_num_experts(group: Group, seen: list[int]) -> None:
+    """Every rank got every rank's ``num_experts``: raise alike on all if they differ."""
+    if len(set(seen)) > 1:
+        listed = "; ".join(f"rank {group.ranks[j]}: {e}" for j, e in enumerate(seen))
+        msg = (
+            f"moe_dispatch on group {group.name!r}: ranks passed different num_experts "
+            f"({listed}); pass the same number on every rank"
+        )
+        raise RankMismatchError(msg)
+
+
+def _arguments(tokens: object, expert_ids: object, num_experts: object, p: int) -> None:
     """This rank's argument errors (the ones its peers cannot see)."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        msg = f"num_experts={num_experts!r} must be a positive int"
+        raise TypeError(msg)
+    if num_experts % p:
+        msg = (
+            f"num_experts={num_experts} is not a multiple of the group size {p}; "
+            f"experts are spread evenly over the group's ranks"
+        )
+        raise ValueError(msg)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         got = f"shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens)
         msg = f"tokens must be a [T, H] tensor, got {got}"
@@ -98,9 +137,15 @@ def moe_dispatch(
 
     Note:
         All ranks of the group must call it, with the same ``num_experts``
-        and hidden size. One counts exchange and one data all-to-all; an argument
-        error on any rank (ids out of range, wrong shapes) makes every rank raise
-        it, naming the rank.
+        and hidden size. One counts exchange and one data all-to-all. The checks
+        ride on the counts exchange: an argument error on any rank (ids out of
+        range, wrong shapes, ``num_experts`` not a multiple of the group size)
+        makes every rank raise it, naming the rank, and so does a different
+        ``num_experts`` (it travels in the counts record; its width is the same
+        for every ``num_experts`` with at most 16 experts per rank, or within a
+        factor of 2 above that). The hidden size is the caller's to keep equal:
+        check mode (``distributed(check=True)`` or ``PDIST_CHECK=1``) compares
+        it, the dtype and ``num_experts`` first, on every rank.
 
     Args:
         group: The expert-parallel group (a context means its world).
@@ -114,34 +159,34 @@ def moe_dispatch(
         block the rows of rank 0's tokens first, in token order), and ``counts``.
 
     Raises:
-        ValueError: ``num_experts`` is not a positive multiple of the group size (at
-            once); ids out of range or wrong shapes on any rank (on every rank).
-        TypeError: ``expert_ids`` is not an integer tensor (on every rank).
+        ValueError: ``num_experts`` is not a multiple of the group size, ids out of
+            range or wrong shapes, on any rank (on every rank).
+        TypeError: ``num_experts`` is not a positive int or ``expert_ids`` not an
+            integer tensor, on any rank (on every rank).
+        RankMismatchError: The ranks passed different ``num_experts`` (or, in
+            check mode, tokens of different widths or dtypes), on every rank.
     """
     g = as_group(group)
     p = g.world_size
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        msg = f"num_experts={num_experts!r} must be a positive int"
-        raise TypeError(msg)
-    if num_experts % p:
-        msg = (
-            f"num_experts={num_experts} is not a multiple of the group size {p}; "
-            f"experts are spread evenly over the group's ranks"
-        )
-        raise ValueError(msg)
-    local = num_experts // p
     error: BaseException | None = None
     try:
-        _check(tokens, expert_ids, num_experts)
+        _arguments(tokens, expert_ids, num_experts, p)
     except (TypeError, ValueError) as e:
         error = e
+    rows_of = _check.describe(tokens, rows=True)
+    _check.agree_args(g, "moe_dispatch", rows_of, error, num_experts=num_experts)
+    width = _record_width(num_experts, p)
     if error is not None:
-        exchange(g, None, error, width=local, what="moe_dispatch")  # raises on every rank
+        exchange(g, None, error, width=width, what="moe_dispatch")  # raises on every rank
+    local = num_experts // p
     t, k = expert_ids.shape
     flat = expert_ids.reshape(-1).long()  # [T*K]
     order = torch.argsort(flat, stable=True)  # sorted by expert: by rank, then local expert
     per_expert = torch.bincount(flat, minlength=num_experts).view(p, local).tolist()
-    got = exchange(g, per_expert, None, width=local, what="moe_dispatch")  # [P, local]
+    records = [[num_experts, *c, *[0] * (width - 1 - local)] for c in per_expert]
+    got = exchange(g, records, None, width=width, what="moe_dispatch")  # [P, width]
+    _same_num_experts(g, [r[0] for r in got])
+    got = [r[1 : 1 + local] for r in got]  # [P, local]
     sent, received = [sum(c) for c in per_expert], [sum(c) for c in got]
     out = rows(g, tokens[order // k], sent, received)  # [N, H], by source rank, local expert
     # Regroup the blocks (source j, local expert e) into expert-major order.
@@ -161,6 +206,27 @@ def moe_dispatch(
     )
 
 
+def _outputs(routed: Routed, expert_out: object, weights: object) -> None:
+    """This rank's errors in ``moe_combine``'s arguments."""
+    n, (t, k) = routed.tokens.shape[0], routed.shape
+    if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2:
+        msg = f"expert_out must be an [N, H'] tensor, got {expert_out!r:.80}"
+        raise ValueError(msg)
+    if expert_out.shape[0] != n:
+        msg = (
+            f"expert_out has {expert_out.shape[0]} rows on rank {routed.group.rank}, but "
+            f"routed.tokens has {n} (sum(routed.counts)); give one output row per routed "
+            "row, in its order"
+        )
+        raise ValueError(msg)
+    if weights is not None and (
+        not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (t, k)
+    ):
+        got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
+        msg = f"weights has shape {got} on rank {routed.group.rank}, expected [T, K] = {[t, k]}"
+        raise ValueError(msg)
+
+
 def moe_combine(
     routed: Routed, expert_out: torch.Tensor, weights: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -171,7 +237,14 @@ def moe_combine(
 
     Note:
         All ranks of the group must call it with the :class:`Routed` their
-        :func:`moe_dispatch` returned.
+        :func:`moe_dispatch` returned, and outputs of one width and dtype.
+
+    Note:
+        No counts travel here, so nothing carries a wrong shape to the other
+        ranks: the caller vouches for ``expert_out`` (one row per routed row) and
+        ``weights``, and a wrong one raises only on its rank while the others wait
+        in the data all-to-all. Check mode (``distributed(check=True)`` or
+        ``PDIST_CHECK=1``) verifies them first and raises on every rank.
 
     Args:
         routed: What :func:`moe_dispatch` returned on this rank.
@@ -183,21 +256,21 @@ def moe_combine(
         ``[T, H']``: for token ``t``, ``sum_k weights[t, k] * out(expert_ids[t, k])``.
 
     Raises:
-        ValueError: ``expert_out`` or ``weights`` has the wrong shape (on this rank).
+        ValueError: ``expert_out`` or ``weights`` has the wrong shape (on this rank;
+            in check mode, on every rank).
+        RankMismatchError: In check mode, on every rank: the ranks' ``expert_out``
+            differ in width or dtype.
     """
     n, (t, k) = routed.tokens.shape[0], routed.shape
-    if not isinstance(expert_out, torch.Tensor) or expert_out.dim() != 2:
-        msg = f"expert_out must be an [N, H'] tensor, got {expert_out!r:.80}"
-        raise ValueError(msg)
-    if expert_out.shape[0] != n:
-        msg = (
-            f"expert_out has {expert_out.shape[0]} rows on rank {routed.group.rank}, but "
-            f"routed.tokens has {n}; give one output row per routed row, in its order"
-        )
-        raise ValueError(msg)
-    if weights is not None and tuple(weights.shape) != (t, k):
-        msg = f"weights has shape {tuple(weights.shape)}, expected [T, K] = {[t, k]}"
-        raise ValueError(msg)
+    error: BaseException | None = None
+    try:
+        _outputs(routed, expert_out, weights)
+    except ValueError as e:
+        error = e
+    out_rows = _check.describe(expert_out, rows=True)
+    _check.agree_args(routed.group, "moe_combine", out_rows, error)
+    if error is not None:
+        raise error
     back = torch.empty_like(routed.regroup)
     back[routed.regroup] = torch.arange(n, device=back.device)
     unsent = expert_out[back]  # by source rank, local expert: as received

@@ -21,7 +21,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from ._agree import raise_own, spread
+from . import _check
+from ._agree import check_same, raise_own, spread
 from ._compat import functional_ops
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
@@ -122,7 +123,15 @@ def all_to_all(
     functional all-to-all and one wait, given both counts as Python ints.
 
     Note:
-        All ranks of the group must call it, with rows of one shape and dtype.
+        All ranks of the group must call it, with rows of one shape and dtype and
+        the counts given the same way (both, ``send_counts`` alone, or none).
+
+    Note:
+        With both counts given, pdist adds no exchange: the caller vouches that
+        ``recv_counts[j]`` on rank ``i`` is ``send_counts[i]`` on rank ``j``, and a
+        wrong count fails only where it is wrong (the others wait in the data
+        exchange). Check mode (``distributed(check=True)`` or ``PDIST_CHECK=1``)
+        verifies them, with the row shape and dtype: every rank raises instead.
 
     Args:
         group: The group (a ``DistContext`` means its ``world``).
@@ -139,32 +148,64 @@ def all_to_all(
     Raises:
         ValueError: ``recv_counts`` without ``send_counts``; counts of the wrong
             length, negative, or not summing to ``x.shape[0]`` (on every rank when
-            the counts are exchanged).
+            the counts are exchanged, or in check mode).
         TypeError: Counts that are not ints; ``recv_counts`` to be exchanged while
             compiling (pass both).
+        RankMismatchError: In check mode, on every rank: the ranks' rows differ in
+            shape or dtype, or the given ``recv_counts`` are not what the ranks send.
     """
     g = as_group(group)
+    exchanged = recv_counts is None and send_counts is not None
+    if exchanged and torch.compiler.is_compiling():
+        msg = "all_to_all: a compiled call needs both send_counts and recv_counts as ints"
+        raise TypeError(msg)
+    error: BaseException | None = None
+    send: list[int] = []
+    recv: list[int] = []
+    try:
+        x, send, recv = _arguments(g, x, send_counts, recv_counts)
+    except (TypeError, ValueError) as e:
+        error = e
+    how = "exchanged" if exchanged else "even" if send_counts is None else "given"
+    _check.agree_args(g, "all_to_all", _check.describe(x, rows=True), error, counts=how)
+    if exchanged:
+        got = exchange(g, None if error else [[c] for c in send], error, width=1, what="all_to_all")
+        recv = [r[0] for r in got]
+    elif error is not None:
+        raise error
+    elif recv_counts is not None and _check.enabled(g) and not torch.compiler.is_compiling():
+        _verify(g, send, recv)
+    return rows(g, x, send, recv)
+
+
+def _arguments(
+    group: Group, x: object, send_counts: object, recv_counts: object
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """This rank's checked ``x`` and counts (receive counts ``[]``: to be exchanged)."""
     if recv_counts is not None and send_counts is None:
         msg = (
             "all_to_all: recv_counts without send_counts; pass send_counts too "
             "(alone, the receive counts are exchanged)"
         )
         raise ValueError(msg)
-    if recv_counts is None and send_counts is not None:
-        if torch.compiler.is_compiling():
-            msg = "all_to_all: a compiled call needs both send_counts and recv_counts as ints"
-            raise TypeError(msg)
-        error: BaseException | None = None
-        try:
-            x, send = _check_send(g, x, send_counts)
-        except (TypeError, ValueError) as e:
-            error = e
-        got = exchange(g, None if error else [[c] for c in send], error, width=1, what="all_to_all")
-        recv = [r[0] for r in got]
-    else:
-        x, send = _check_send(g, x, send_counts)
-        recv = send if recv_counts is None else _counts(g, recv_counts, "recv_counts")
-    return rows(g, x, send, recv)
+    x, send = _check_send(group, x, send_counts)
+    if send_counts is None:
+        return x, send, send
+    return x, send, [] if recv_counts is None else _counts(group, recv_counts, "recv_counts")
+
+
+def _verify(group: Group, send: list[int], recv: list[int]) -> None:
+    """Check mode: the vouched ``recv`` are what the ranks send here, or every rank raises."""
+    got = [r[0] for r in exchange(group, [[c] for c in send], None, width=1, what="all_to_all")]
+    me = group.rank_in_group
+    summary = "recv_counts match the senders' send_counts"
+    if got != recv:
+        j = next(j for j in range(len(got)) if got[j] != recv[j])
+        summary = (
+            f"recv_counts={recv!r} on rank {group.rank}, but rank {group.ranks[j]} sends it "
+            f"{got[j]} rows (its send_counts[{me}]), not {recv[j]}; the ranks send {got!r}"
+        )
+    check_same(group, f"all_to_all on group {group.name!r} (check mode)", summary, None)
 
 
 def rows(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
@@ -209,16 +250,30 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> torch.Tensor:
-    """``all_gather`` of shards of ``sizes[r]`` along ``dim`` (normalized); differentiable."""
-    counts = _counts(group, sizes, "sizes")
-    mine = counts[group.rank_in_group]
-    if mine != x.shape[dim]:
-        msg = (
-            f"all_gather: sizes[{group.rank_in_group}]={mine} on rank {group.rank}, but x has "
-            f"size {x.shape[dim]} along dim {dim} (shape {tuple(x.shape)}); sizes[r] is rank "
-            "r's size along dim"
-        )
-        raise ValueError(msg)
+    """``all_gather`` of shards of ``sizes[r]`` along ``dim`` (normalized); differentiable.
+
+    The caller vouches that every rank passes the same ``sizes``: only this rank's
+    entry can be checked here (against ``x``), so a difference fails where it shows
+    while the others wait. Check mode compares them (and ``x``'s other dims and dtype)
+    on every rank first.
+    """
+    error: BaseException | None = None
+    counts: list[int] = []
+    try:
+        counts = _counts(group, sizes, "sizes")
+        mine = counts[group.rank_in_group]
+        if mine != x.shape[dim]:
+            msg = (
+                f"all_gather: sizes[{group.rank_in_group}]={mine} on rank {group.rank}, but x "
+                f"has size {x.shape[dim]} along dim {dim} (shape {tuple(x.shape)}); sizes[r] "
+                "is rank r's size along dim"
+            )
+            raise ValueError(msg)
+    except (TypeError, ValueError) as e:
+        error = e
+    _check.agree_args(group, "all_gather", _check.describe(x, dim=dim), error, sizes=counts)
+    if error is not None:
+        raise error
     if group.world_size == 1:
         return x
     p = group.world_size
@@ -231,14 +286,27 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
 def reduce_scatter_sizes(
     group: Group, x: torch.Tensor, op: str, dim: int, sizes: object
 ) -> torch.Tensor:
-    """``reduce_scatter`` into shards of ``sizes[r]`` along ``dim``; differentiable in sum/mean."""
-    counts = _counts(group, sizes, "sizes")
-    if sum(counts) != x.shape[dim]:
-        msg = (
-            f"reduce_scatter: sizes={counts!r} sum to {sum(counts)} on rank {group.rank}, but x "
-            f"has size {x.shape[dim]} along dim {dim} (shape {tuple(x.shape)})"
-        )
-        raise ValueError(msg)
+    """``reduce_scatter`` into shards of ``sizes[r]`` along ``dim``; differentiable in sum/mean.
+
+    As in :func:`all_gather_sizes`, the caller vouches that every rank passes the same
+    ``sizes`` (this rank checks their length and sum); check mode compares them.
+    """
+    error: BaseException | None = None
+    counts: list[int] = []
+    try:
+        counts = _counts(group, sizes, "sizes")
+        if sum(counts) != x.shape[dim]:
+            msg = (
+                f"reduce_scatter: sizes={counts!r} sum to {sum(counts)} on rank {group.rank}, "
+                f"but x has size {x.shape[dim]} along dim {dim} (shape {tuple(x.shape)})"
+            )
+            raise ValueError(msg)
+    except (TypeError, ValueError) as e:
+        error = e
+    fields = {"op": op, "dim": dim, "sizes": counts}
+    _check.agree_args(group, "reduce_scatter", _check.describe(x), error, **fields)
+    if error is not None:
+        raise error
     if group.world_size == 1:
         return x
     p, mine = group.world_size, counts[group.rank_in_group]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 
 import pytest
@@ -104,3 +105,71 @@ def test_check_must_be_a_bool():
     """check= is True or False."""
     with pytest.raises(TypeError, match="check="):
         pdist.distributed(check="yes")  # type: ignore[arg-type]
+
+
+def _uneven_mismatch() -> list[tuple[str, str, float]]:
+    """Each uneven path, one rank's argument wrong: (case, error, seconds) on this rank."""
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed(check=True) as ctx:
+        r = ctx.rank
+        send = [[2, 1, 0], [0, 0, 0], [3, 4, 0]][r]  # rows rank r sends each rank
+        recv = [[2, 0, 3], [1, 0, 4], [0, 0, 0]][r]
+        x = torch.ones(2, 5, [2, 1, 3][r])
+        tokens = torch.randn(4, 3, generator=torch.Generator().manual_seed(r))
+        ids = torch.tensor([[0, 1], [2, 3], [4, 5], [5, 0]])
+        routed = pdist.moe_dispatch(ctx, tokens, ids, 6)
+        out = routed.tokens * 2
+        cases = {
+            # Rank 1's sizes differ in rank 2's entry (its own is right).
+            "sizes": lambda: pdist.all_gather(
+                ctx, x, dim=-1, sizes=[2, 1, 4] if r == 1 else [2, 1, 3]
+            ),
+            # Rank 2's own entry is not its shard's size.
+            "own size": lambda: pdist.all_gather(ctx, x, dim=-1, sizes=[2, 1, 2]),
+            "scatter sizes": lambda: pdist.reduce_scatter(
+                ctx, torch.ones(6, 2), dim=0, sizes=[3, 3, 0] if r == 0 else [2, 2, 2]
+            ),
+            "rows": lambda: pdist.all_to_all(ctx, torch.ones(sum(send), 4 + (r == 1)), send),
+            "vouched": lambda: pdist.all_to_all(
+                ctx, torch.ones(sum(send), 4), send, [2, 1, 3] if r == 0 else recv
+            ),
+            "expert_out rows": lambda: pdist.moe_combine(routed, out[1:] if r == 1 else out),
+            "expert_out width": lambda: pdist.moe_combine(routed, out[:, :2] if r == 0 else out),
+            "weights": lambda: pdist.moe_combine(routed, out, torch.ones(4, 2 + (r == 2))),
+        }
+        seen = []
+        for name, call in cases.items():
+            start = time.monotonic()
+            with pytest.raises((pdist.RankMismatchError, ValueError)) as info:
+                call()
+            seen.append(
+                (name, f"{type(info.value).__name__}: {info.value}", time.monotonic() - start)
+            )
+        pdist.barrier(ctx)  # the group is still usable
+        return seen
+
+
+EXPECTED = {
+    "sizes": r"RankMismatchError: all_gather on group 'world' \(check mode\): ranks passed "
+    r"different arguments; ranks \[0, 2\]: .*sizes=\[2, 1, 3\]; ranks \[1\]: .*sizes=\[2, 1, 4\]",
+    "own size": r"ValueError: all_gather \(check mode\) on group 'world' failed on rank 2: "
+    r"ValueError: all_gather: sizes\[2\]=2 on rank 2, but x has size 3 along dim 2",
+    "scatter sizes": r"RankMismatchError: .*ranks \[0\]: reduce_scatter: .*sizes=\[3, 3, 0\]",
+    "rows": r"RankMismatchError: .*ranks \[1\]: all_to_all: rows of shape \(5,\) float32",
+    "vouched": r"RankMismatchError: all_to_all on group 'world' \(check mode\).*ranks \[0\]: "
+    r"recv_counts=\[2, 1, 3\] on rank 0, but rank 1 sends it 0 rows \(its send_counts\[0\]\)",
+    "expert_out rows": r"ValueError: moe_combine \(check mode\) on group 'world' failed on "
+    r"rank 1: ValueError: expert_out has \d+ rows on rank 1, but routed.tokens has \d+",
+    "expert_out width": r"RankMismatchError: .*ranks \[0\]: moe_combine: rows of shape \(2,\)",
+    "weights": r"ValueError: .*failed on rank 2: ValueError: weights has shape \(4, 3\)",
+}
+
+
+def test_uneven_and_expert_paths_are_checked_on_every_rank():
+    """Check mode covers sizes=, all_to_all's rows and vouched counts, and moe_combine's inputs."""
+    results = spawn(_uneven_mismatch, 3, timeout=120)
+    for seen in results:
+        assert [name for name, _, _ in seen] == list(EXPECTED)
+        for name, message, seconds in seen:
+            assert re.search(EXPECTED[name], message), (name, message)
+            assert seconds < 10, (name, seconds)

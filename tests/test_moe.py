@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
 import pdist
-from pdist.testing import world_sizes
+from pdist.testing import spawn, world_sizes
 
 E, K, H, OUT = 6, 2, 4, 3
 TOKENS = [5, 0, 7]  # rank 1 routes nothing
@@ -111,3 +112,22 @@ def test_moe_bad_expert_id_raises_on_every_rank(ctx):
     ):
         pdist.moe_dispatch(ctx, tokens, bad_dtype, E)
     pdist.barrier(ctx)
+
+
+def _different_num_experts(check: str) -> float:
+    os.environ["PDIST_CHECK"] = check
+    with pdist.distributed() as ctx:
+        tokens, ids, _ = _rank_inputs(ctx.rank)
+        start = time.monotonic()
+        with pytest.raises(pdist.RankMismatchError, match="num_experts"):
+            pdist.moe_dispatch(ctx, tokens, ids, 9 if ctx.rank == 1 else E)
+        seconds = time.monotonic() - start
+        pdist.barrier(ctx)
+        return seconds
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_different_num_experts_raise_on_every_rank(check):
+    """num_experts travels in the counts record: a rank's other number raises on all, no wait."""
+    for seconds in spawn(_different_num_experts, 3, check, timeout=90):
+        assert seconds < 15

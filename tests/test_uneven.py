@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import pdist
-from pdist.testing import world_sizes
+from pdist.testing import spawn, world_sizes
 
 # COUNTS[i][j]: rows rank i sends rank j (3 ranks; rank 1 sends nothing, rank 2 gets nothing).
 COUNTS = [[2, 1, 0], [0, 0, 0], [3, 4, 0]]
@@ -49,9 +51,8 @@ def test_all_to_all_uneven_and_zero_counts(ctx):
     torch.testing.assert_close(even, _reference(p, [[2, 2, 2]] * p, r))
 
 
-@world_sizes(3)
-def test_all_to_all_bad_counts_raise_on_every_rank(ctx):
-    """Exchanged counts that are wrong on one rank raise on all; local mistakes raise at once."""
+def _bad_counts(ctx) -> None:
+    """Bad counts on one rank: every rank raises, then the group still works."""
     r = ctx.rank
     x = _rows(r, 3)
     bad = [1, 1, 2] if r == 1 else [1, 1, 1]  # sums to 4 on rank 1, which has 3 rows
@@ -73,6 +74,24 @@ def test_all_to_all_bad_counts_raise_on_every_rank(ctx):
     pdist.barrier(ctx)
     out = pdist.all_to_all(ctx, x, [1, 1, 1])  # the group still works
     assert out.shape == (3, 5)
+
+
+@world_sizes(3)
+def test_all_to_all_bad_counts_raise_on_every_rank(ctx):
+    """In check mode (the harness's), a rank's bad counts raise on every rank."""
+    _bad_counts(ctx)
+
+
+def _bad_counts_unchecked() -> None:
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed() as ctx:
+        assert not ctx.world.lifetime.check
+        _bad_counts(ctx)
+
+
+def test_all_to_all_bad_counts_ride_on_the_exchange_without_check_mode():
+    """Check mode off: bad exchanged counts still raise on every rank (the counts exchange)."""
+    spawn(_bad_counts_unchecked, 3, timeout=90)
 
 
 @world_sizes(2, 3)
