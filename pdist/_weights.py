@@ -348,7 +348,8 @@ def broadcast_weights(
     into their destination when it is contiguous, of the source's dtype and on the
     group's device. Extra memory on every member: about one bucket.
 
-    .. note:: All members of the group must call it, with the same ``src``.
+    Note:
+        All members of the group must call it, with the same ``src``.
 
     Args:
         group: The group (a context means its world).
