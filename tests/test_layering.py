@@ -92,6 +92,7 @@ FEATURE_EDGES = {
 # needs memory for a result allocates it as torch would.
 BUFFER_USERS = {"_serialize", "_payload", "_agree", "_wire", "_objects", "_gathers", "_p2p"}
 BUFFER_USERS |= {"_collate", "_mq"}
+BUFFER_USERS |= {"_weights"}  # broadcast_weights is a transport: its buckets are staging
 
 
 def _module(path: Path) -> str:
