@@ -58,6 +58,11 @@ _MAX_GROUPS, _MAX_SIZES = 16, 4
 _CHUNK = 512  # store keys per round trip
 _GRACE = 10.0  # seconds a rank waits for the verdict past the answer wait
 _LINGER = 2.0  # seconds a store-hosting rank serves before an exit
+# The answering thread's wait for a wake-up between stalls. Bounded (principle 15), but long:
+# torch logs two warning lines on every store wait that times out, so a short bound would
+# write them into every rank's log every few seconds of a healthy job. The thread is a
+# daemon and leaving the block never waits on it for more than _STOP_SECONDS.
+_LISTEN = timedelta(hours=1)
 _STOP_SECONDS = 5.0  # how long leaving the block waits for the store (a live one: milliseconds)
 _LIBRARY = ("torch/", "pdist/")
 _ROOTS = sorted(
@@ -452,7 +457,7 @@ class Watch:
         k = 1
         while not self._stopping.is_set():
             try:
-                woken = self._wait(conn, "wake", k, self._bound)
+                woken = self._wait(conn, "wake", k, _LISTEN)
             except OSError:
                 if not self._stopping.is_set() and _answers(conn):
                     continue  # no stall within the bound: wait again
