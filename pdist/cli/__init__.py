@@ -49,7 +49,17 @@ def on_ranks(fn: Callable[..., R], nproc: int | None, *args: Any, timeout: float
         return fn(*args), os.environ["RANK"] == "0"
     from pdist.testing import spawn
 
-    return spawn(fn, nproc or 2, *args, timeout=timeout, capture_output=False)[0], True
+    # Spawned ranks run as the user's own jobs would: check mode as this environment sets
+    # it (off by default), not the test harness's default (on), which would time a round
+    # trip into every collective of the bench.
+    check = os.environ.get("PDIST_CHECK", "0")
+    out = spawn(_configured, nproc or 2, check, fn, *args, timeout=timeout, capture_output=False)
+    return out[0], True
+
+
+def _configured(check: str, fn: Callable[..., R], *args: Any) -> R:
+    os.environ["PDIST_CHECK"] = check
+    return fn(*args)
 
 
 def _write(path: str | None, report: Any, count: int) -> None:
