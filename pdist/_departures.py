@@ -11,6 +11,12 @@ buckets, a raw ``dist.all_reduce``) the same line is printed when the survivor's
 exception leaves its block. Every store access runs on its own connection in a
 daemon thread with a bounded wait (principle 15): a store that is gone too (its
 host was the rank that left) makes the survivor say so instead of waiting.
+
+A rank that left no line (killed, out of memory, ``os._exit``) is found by a roll call:
+the survivors of a small group each set a key of their own and, for a couple of
+seconds, look for the others'; the members that never answer are named as most likely
+gone. A link (``pdist.link``) keeps its records in its own store, so the members of two
+jobs name each other too.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,6 +42,10 @@ T = TypeVar("T")
 
 _WAIT = 3.0  # seconds any store access may take before the store counts as gone
 _STORE_TIMEOUT = 1.0  # seconds a connection to it tries (a live store answers in ms)
+# A roll call: how long survivors look for each other, and the largest group that holds one
+# (every survivor reads every member's key: a failure must not load the store with W^2 reads).
+_ROLL_CALL_SECONDS = 2.0
+_ROLL_CALL_MAX = 64
 _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's departure
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
@@ -164,9 +175,38 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
             "launcher's agent) has most likely exited; look at its output first"
         )
         return PeerLeftError(msg, store_gone=True)
+    records = group.lifetime.exit_records
+    if not lines and records is not None and len(group.ranks) <= _ROLL_CALL_MAX:
+        try:
+            missing = _roll_call(group, *records)
+        except StoreGoneError:
+            missing = []
+        lines = [
+            f"rank {r} went away without a word (it did not answer a roll call through the "
+            f"store within {_ROLL_CALL_SECONDS:g} s: killed, out of memory, or os._exit)"
+            for r in missing
+        ]
     if not lines:
         return None
     return PeerLeftError("; ".join([*lines, where]))
+
+
+def _roll_call(group: Group, store: Store, prefix: str) -> list[int]:
+    """The members of ``group`` that never answer a roll call through the store (bounded)."""
+    key = f"{prefix}/here/{group.name}/{{}}"
+
+    def call() -> list[int]:
+        conn = _connection(store)
+        conn.set(key.format(group.rank), "1")
+        missing = [r for r in group.ranks if r != group.rank]
+        deadline = time.monotonic() + _ROLL_CALL_SECONDS
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not conn.check([key.format(r)])]
+            if missing:
+                time.sleep(0.05)
+        return missing
+
+    return bounded(call, _ROLL_CALL_SECONDS + _WAIT)
 
 
 def left_block(lifetime: Lifetime, rank: int, world_size: int, exc: BaseException) -> None:

@@ -27,7 +27,7 @@ from typing import cast
 
 import torch
 
-from . import _compat, _env
+from . import _compat, _departures, _env
 from ._compat import PrefixStore, Store, TCPStore
 from ._context import probe_accelerator
 from ._errors import PdistError
@@ -294,10 +294,18 @@ def link(
             device_key=lifetime.add(device_pg, created=False),
             cpu_key=lifetime.add(cpu, created=False),
         )
-        yield group
+        # Members that leave through an exception say so in the link's store, and the
+        # survivors of a failed collective name them (or find them by a roll call).
+        lifetime.exit_records = (cast("Store", store), f"{join.prefix}exits")
+        try:
+            yield group
+        except (Exception, SystemExit) as exc:
+            _departures.record(lifetime, rank, exc)
+            raise
         failed = False
     finally:
         store = None  # member 0's server goes with the last reference: free the port
+        lifetime.exit_records = None
         lifetime.close()
         join.leave(failed)
         for pg in reversed(pgs):

@@ -27,7 +27,7 @@ from typing import NamedTuple, cast
 
 import torch
 
-from . import _agree, _plain, _rooted, _seams, _wire
+from . import _agree, _departures, _plain, _rooted, _seams, _wire
 from ._buffers import allocate
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
@@ -431,6 +431,9 @@ def _member_lost(g: Group, what: str) -> Iterator[None]:
     except RuntimeError as exc:
         if isinstance(exc, PdistError):
             raise
+        named = _departures.explained(g, what, exc)  # who left, where pdist can tell
+        if named is not None:
+            raise named from exc
         msg = (
             f"{what} on group {g.name!r}: the communicator failed on rank {g.rank}, most "
             f"likely because a member went away; rebuild the group without it ({exc})"

@@ -230,3 +230,37 @@ def test_host_that_never_comes() -> None:
     for r in results[1:]:
         assert "link rank(s) [0] did not join" in r.output, r.output
         assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 3 + 15
+
+
+LEAVER = """
+    import os
+    import torch
+    import pdist
+
+    def load_batch():
+        raise RuntimeError("boom")
+
+    rank = int(os.environ["RANK"])
+    try:
+        with pdist.link(os.environ["LINK"], rank=rank, world_size=3, timeout=20) as g:
+            pdist.barrier(g)
+            for step in range(100):
+                if rank == 1 and step == 3:
+                    load_batch()
+                pdist.all_reduce(g, torch.ones(4))
+    except pdist.PdistError as exc:
+        print(f"RAISED {type(exc).__name__}: {exc}")
+    except RuntimeError as exc:
+        print(f"LEFT {exc}")
+    print("OK")
+"""
+
+
+def test_a_member_that_raises_is_named_to_the_others() -> None:
+    """Member 1 raises inside its link block: members 0 and 2 raise naming it and its error."""
+    results = run_ranks(LEAVER, 3, timeout=90, env={"LINK": f"127.0.0.1:{free_port()}"})
+    passed(results, 3)
+    assert "LEFT boom" in results[1].output
+    for r in (results[0], results[2]):
+        assert "RAISED PeerLeftError: rank 1 left the job: RuntimeError: boom" in r.output, r.output
+        assert "in load_batch)" in r.output, r.output

@@ -98,11 +98,12 @@ DEAD_SOURCE = """
 
 
 def test_source_exits_before_sending() -> None:
-    """The source exits before sending: both receivers raise, neither hangs."""
+    """The source (the store's host) exits before sending: both receivers raise naming it."""
     results = run_ranks(DEAD_SOURCE, 3, timeout=90, env={"LINK": f"127.0.0.1:{free_port()}"})
     for r in results[1:]:
         assert r.returncode == 0, r.output
         assert "RAISED after" in r.output, r.output
+        assert "store's host (rank 0" in r.output, r.output
         assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 10 + 15
 
 
@@ -164,9 +165,10 @@ DEAD_RECEIVER = """
 
 
 def test_receiver_exits_while_the_source_sends() -> None:
-    """A receiver goes away: the source and the other receiver raise, neither hangs."""
+    """A receiver goes away: the source and the other receiver raise naming it, neither hangs."""
     results = run_ranks(DEAD_RECEIVER, 3, timeout=90, env={"LINK": f"127.0.0.1:{free_port()}"})
     for r in results[:2]:
         assert r.returncode == 0, r.output
         assert "RAISED after" in r.output, r.output
+        assert "rank 2 went away without a word" in r.output, r.output
         assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 10 + 15
