@@ -84,19 +84,26 @@ def agree_args(
     if group.world_size == 1 or not enabled(group) or torch.compiler.is_compiling():
         return
     summary = ", ".join([f"{name}: {tensor}", *(f"{k}={v!r}" for k, v in fields.items())])
-    with explaining(group, name):  # a peer gone meanwhile is named as in the collective
+    # A peer gone meanwhile is named as in the collective (which this agreement precedes).
+    with explaining(group, f"{name} (check mode)", counted=False):
         if not status(group, error, what=f"{name} (check mode)", summary=summary):
             # The summaries travel, only now.
             check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
 
 
 @contextlib.contextmanager
-def explaining(group: Group, what: str) -> Iterator[None]:
+def explaining(group: Group, what: str, *, counted: bool = True) -> Iterator[None]:
     """Turn the backend's failure of collective ``what`` into one naming its cause, if known.
 
     A peer that left its block is named (``_departures``); a size mismatch the backend
     reports (rather than aborting the process, as gloo mostly does) gets check mode's hint.
+    ``counted``: a collective of its own, numbered per group name (``all_reduce #6``), so
+    that a survivor's message says which call of the job it was in.
     """
+    calls = group.lifetime.calls
+    if counted:
+        calls[group.name] = number = calls.get(group.name, 0) + 1
+        what = f"{what} #{number}"
     try:
         yield
     except RuntimeError as exc:

@@ -81,6 +81,8 @@ class Lifetime:
         self.check = False
         # Where a rank leaving the block records why (``_departures``): the store, its prefix.
         self.exit_records: tuple[Store, str] | None = None
+        # pdist's tensor collectives so far, per group name (a survivor's "all_reduce #6").
+        self.calls: dict[str, int] = {}
         self._pgs: list[ProcessGroup] = []
         self._created: list[ProcessGroup] = []
         self._owns_default = False
