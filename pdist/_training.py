@@ -17,7 +17,7 @@ from . import _agree, _compat, _wire
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._serialize import dtype_name
-from ._weights import SYNC_BUCKET_BYTES, Move, prepare_move, states_of
+from ._weights import SYNC_BUCKET_BYTES, Move, states_of
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
 
@@ -377,7 +377,7 @@ def sync_model_states(
         states = _local_states(g, model, src, ignore, broadcast_buffers)
         if g.world_size > 1:  # staging first, so that failing to allocate it raises on all
             tensors = [t for _, t in states]
-            move = prepare_move(g, states_of(states), tensors, src, SYNC_BUCKET_BYTES, what=what)
+            move = Move(g, states_of(states), tensors, src, SYNC_BUCKET_BYTES, what=what)
     except Exception as exc:  # also a model whose named_parameters() raises
         error = exc
     if g.world_size == 1:

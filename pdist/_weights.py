@@ -39,7 +39,6 @@ __all__ = [
     "Entry",
     "Move",
     "broadcast_weights",
-    "prepare_move",
     "states_of",
 ]
 
@@ -124,7 +123,15 @@ def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
 
 
 class Move:
-    """A planned transfer of tensors from ``src`` (see :func:`prepare_move`), ready to run."""
+    """A planned transfer of ``tensors`` from ``src``, staged and ready to :meth:`run`.
+
+    Every member passes ``entries`` (the same everywhere, agreed) and one tensor per entry
+    of that shape: the source's to send, a receiver's to fill (of any dtype and device:
+    it is cast, as ``copy_`` does). Extra memory: at most one staging buffer of
+    ``bucket_bytes`` (and, for a non-contiguous destination, a contiguous copy of it).
+    Make it before the status that lets every member go on (its staging is allocated
+    here, so that a failure raises on all); then :meth:`run`.
+    """
 
     def __init__(
         self,
@@ -133,6 +140,7 @@ class Move:
         tensors: list[torch.Tensor],
         src: int,
         bucket_bytes: int,
+        *,
         what: str,
     ) -> None:
         self.group, self.entries, self.tensors, self.src, self.what = (
@@ -223,26 +231,6 @@ class Move:
         dest = t if t.is_contiguous() else self.contiguous.setdefault(step.entry, t.contiguous())
         size = e.dtype.itemsize
         dest.view(-1)[step.start // size : step.stop // size].copy_(wire.view(e.dtype))
-
-
-def prepare_move(
-    group: Group,
-    entries: list[Entry],
-    tensors: list[torch.Tensor],
-    src: int,
-    bucket_bytes: int,
-    *,
-    what: str,
-) -> Move:
-    """Plan moving ``tensors`` (the source's) into ``tensors`` (each receiver's), and stage.
-
-    Every member passes ``entries`` (the same everywhere, agreed) and one tensor per entry
-    of that shape: the source's to send, a receiver's to fill (of any dtype and device:
-    it is cast, as ``copy_`` does). Extra memory: at most one staging buffer of
-    ``bucket_bytes`` (and, for a non-contiguous destination, a contiguous copy of it).
-    Call it before the status that lets every member go on; then :meth:`Move.run`.
-    """
-    return Move(group, entries, tensors, src, bucket_bytes, what)
 
 
 def _entries_of(tensors: object) -> list[Entry]:
@@ -409,7 +397,7 @@ def _broadcast(
         if into is not None:
             _check_into(into, entries, g, src)
         targets = _targets(g, entries, tensors if is_src else into)
-        move = prepare_move(g, entries, targets, src, bucket, what=what)
+        move = Move(g, entries, targets, src, bucket, what=what)
     except Exception as exc:
         failure = exc
     _agree.status(g, failure, what=what)
