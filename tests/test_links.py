@@ -68,6 +68,12 @@ PLAIN = """
         assert t.tolist() == [0.0, n, 2.0 * n, 3.0 * n], t
         got = pdist.gather_object(g, g.rank, dst=n - 1)
         assert got == (list(range(n)) if g.rank == n - 1 else None), got
+        z = torch.full((2,), complex(g.rank + 1, 1.0))  # rooted, by link index, complex too
+        got = pdist.reduce(g, z, dst=n - 1, op="sum")
+        want = [complex(n * (n + 1) / 2, n)] * 2
+        assert (got.tolist() == want) if g.rank == n - 1 else got is None, got
+        got = pdist.gather(g, torch.tensor([float(g.rank)]), dst=n - 1, dim=0)
+        assert (got.tolist() == [float(r) for r in range(n)]) if g.rank == n - 1 else got is None
         if g.rank == 0:
             pdist.send_object(g, label, dst=1)
         elif g.rank == 1:
