@@ -105,4 +105,4 @@ def reduce_to(t: torch.Tensor, pg: dist.ProcessGroup, index: int, op: Any) -> No
         return
     opts = dist.ReduceOptions()
     opts.reduceOp, opts.rootRank, opts.rootTensor = op, index, 0
-    pg.reduce([t], opts).wait()
+    pg.reduce([_real(t)], opts).wait()
