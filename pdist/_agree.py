@@ -1,7 +1,7 @@
 """Fail together: the primitives every feature builds on, written once.
 
 Every feature that crosses ranks checks locally, then the ranks agree that they
-can go on, then data moves. :func:`status` is one small all-reduce over the CPU
+can go on, then data moves. :func:`status` is one small all-gather over the CPU
 group: when a rank failed, every rank raises the same error naming it, so nobody
 is left waiting in the transfer that would have followed; with a summary it
 also compares a digest. :func:`tell` and :func:`hear` do the same for the two
@@ -100,15 +100,16 @@ def status(
             raise_own(group, error, what, wrap_pdist=True)
         return True
     h = 0
-    if summary is not None:  # 63 bits, so that h and -h both fit an int64
+    if summary is not None:  # 63 bits: fits an int64
         data = summary.encode() if isinstance(summary, str) else summary
         h = int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
-    # max(h) == -max(-h) exactly when every rank passed the same digest.
-    flags = torch.tensor([0 if error is None else 1, h, -h], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group.cpu_group)
-    if int(flags[0]):
+    # An all-gather, not an all-reduce: gloo's small all-gather takes half the time.
+    rows = [torch.empty(2, dtype=torch.int64) for _ in group.ranks]
+    mine = torch.tensor([0 if error is None else 1, h], dtype=torch.int64)
+    dist.all_gather(rows, mine, group=group.cpu_group)
+    if any(int(r[0]) for r in rows):
         spread(group, error, what=what)
-    return int(flags[1]) == -int(flags[2])
+    return all(int(r[1]) == h for r in rows)
 
 
 def settle(group: Group, error: BaseException | None, *, together: bool, what: str) -> None:

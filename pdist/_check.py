@@ -5,7 +5,7 @@ gloo, one rank may abort ("16 vs 12") while another returns a tensor with a
 zero-filled hole and carries on. With check mode on (``distributed(check=True)`` or
 ``PDIST_CHECK=1``, kept in the block's :class:`~pdist._group.Lifetime`) every
 pdist tensor collective first compares a one-line summary of its call (op, shape,
-dtype, dim, counts) through one small all-reduce on the CPU group
+dtype, dim, counts) through one small all-gather on the CPU group
 (:func:`pdist._agree.check_same`: the summaries themselves travel only when they
 differ), and a difference raises the same :class:`~pdist.RankMismatchError` on every
 rank, naming the ranks and what each passed. The price is that round trip per call
@@ -73,7 +73,7 @@ def agree_args(
     """:func:`agree_call` for a described ``tensor``, carrying this rank's argument ``error``.
 
     In check mode a rank whose local checks failed (``error``) makes every rank raise
-    that error (the first failing rank's, naming it), in the same one small all-reduce
+    that error (the first failing rank's, naming it), in the same one small all-gather
     that compares the summaries; off, nothing happens and the caller raises ``error``
     itself. Every rank of ``group`` must call it.
 

@@ -42,6 +42,7 @@ __all__ = [
     "PrefixStore",
     "Store",
     "TCPStore",
+    "abort_group",
     "accelerator",
     "all_gather_into",
     "backend_name",
@@ -301,6 +302,29 @@ def shutdown_group(pg: dist.ProcessGroup) -> None:
     shutdown = getattr(pg, "shutdown", None)
     if shutdown is not None:
         shutdown()
+
+
+def abort_group(pg: dist.ProcessGroup, device: torch.device) -> bool:
+    """Abort ``pg``'s communicator for ``device``: a collective stuck on a dead peer returns.
+
+    NCCL kernels wait on the GPU for a peer that went away until the communicator is
+    aborted; gloo's time out on their own. ``ProcessGroup.abort`` (newer torch) or the
+    backend's own ``abort``/``_abort`` (older); False where neither exists.
+    """
+    for target in (pg, _backend_of(pg, device)):
+        for name in ("abort", "_abort"):
+            method = getattr(target, name, None)
+            if callable(method):
+                method()
+                return True
+    return False
+
+
+def _backend_of(pg: dist.ProcessGroup, device: torch.device) -> Any:
+    try:
+        return pg._get_backend(device)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def bound_device(pg: dist.ProcessGroup) -> Any:

@@ -381,7 +381,7 @@ def distributed(
             ``"exit"``: log it, then every answering rank exits with
             :data:`~pdist.STALL_EXIT_CODE`. Default ``"report"``, or ``PDIST_ON_STALL``.
         check: Check mode: every pdist tensor collective first agrees on its op, shapes,
-            dtypes and dims through one small all-reduce on the CPU group, and a difference
+            dtypes and dims through one small all-gather on the CPU group, and a difference
             raises :class:`~pdist.RankMismatchError` on every rank naming each rank's
             shapes and dtypes, instead of a backend error on one rank and a wrong tensor on
             another. It costs that round trip per call (``pdist bench``'s "check mode"

@@ -39,6 +39,7 @@ logger = logging.getLogger("pdist")
 
 _POLL_SEC = 0.02
 _VERDICT_WAIT_SEC = 5.0  # how long member 0 lingers so the others read its verdict
+_DEVICE_MARGIN_SEC = 60.0  # the tensor communicator's timeout beyond the link's
 _CLOSE_WAIT_SEC = 5.0  # how long member 0 waits for goodbyes (and the others, after a failure)
 
 
@@ -211,8 +212,11 @@ def _communicators(
         if device.type == "cpu" and backend == "gloo":
             return cpu, cpu
         device_store = PrefixStore(prefix + "device/", store)
+        # Later than the gloo group's: pdist's watchdog aborts a stuck NCCL communicator
+        # and raises naming the member that left, before torch's own ends the process.
+        later = wait + timedelta(seconds=_DEVICE_MARGIN_SEC)
         try:
-            return cpu, _compat.unregistered_group(device_store, rank, size, backend, device, wait)
+            return cpu, _compat.unregistered_group(device_store, rank, size, backend, device, later)
         except Exception:
             _compat.shutdown_group(cpu)
             raise

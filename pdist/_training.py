@@ -385,7 +385,7 @@ def sync_model_states(
             raise error
         return
     entries = [(n, tuple(t.shape), dtype_name(t.dtype), t.device.type) for n, t in states]
-    # One status all-reduce carries every rank's failure and a digest of (src, entries).
+    # One status all-gather carries every rank's failure and a digest of (src, entries).
     if not _agree.status(g, error, what=what, summary=repr([src, entries])):
         _raise_difference(g, src, entries, what)
     with torch.no_grad():

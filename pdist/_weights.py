@@ -4,10 +4,11 @@ The weight sync of reinforcement learning (trainer -> inference engine over a li
 ``sync_model_states`` within a job, move the same thing: many named tensors whose layout
 the receivers already know or can check. Three steps:
 
-1. **Agree.** One status all-reduce carries every member's argument errors and ``src``;
-   the source then broadcasts one metadata message (names, shapes, dtypes, its
-   ``bucket_bytes``: plain JSON, never pickle); each receiver checks its ``into`` against
-   it, and one more status makes a difference raise on every member before any byte moves.
+1. **Agree.** One all-gather carries every member's argument errors and ``src``, and the
+   source's metadata (names, shapes, dtypes, its ``bucket_bytes``: plain JSON, never
+   pickle) when short, else a broadcast follows; each receiver checks its ``into``
+   against it, and one status makes a difference raise on every member before any byte
+   moves. With the closing status, a call costs three small collectives besides the data.
 2. **Plan** (a pure function of the metadata, so every member issues the same
    broadcasts): tensors under :data:`DIRECT_BYTES` are packed into buckets of at most
    ``bucket_bytes``; larger ones travel alone, in chunks of at most ``bucket_bytes``.
@@ -20,17 +21,20 @@ the receivers already know or can check. Three steps:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import math
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple, cast
 
 import torch
 
-from . import _agree, _departures, _plain, _rooted, _seams, _wire
+from . import _agree, _compat, _departures, _plain, _rooted, _seams, _wire
 from ._buffers import allocate
-from ._errors import PdistError, RankMismatchError
-from ._group import DistContext, Group, as_group
+from ._errors import HEADER, PdistError, RankMismatchError
+from ._group import DistContext, Group, ProcessGroup, as_group
 from ._serialize import dtype_name, dtype_of
 
 __all__ = [
@@ -41,6 +45,8 @@ __all__ = [
     "broadcast_weights",
     "states_of",
 ]
+
+logger = logging.getLogger("pdist")
 
 SYNC_BUCKET_BYTES = 64 << 20  # sync_model_states' buckets
 DIRECT_BYTES = 1 << 20  # tensors this large (or larger than a bucket) travel alone
@@ -307,14 +313,37 @@ def _check_args(g: Group, src: int, bucket_bytes: object) -> None:
         raise ValueError(msg)
 
 
-def _agree_src(g: Group, src: int, error: BaseException | None, what: str) -> None:
-    """One status: every member's argument error, and whether all passed the same ``src``."""
-    if _agree.status(g, error, what=what, summary=repr(src)):
-        return
-    srcs = _wire.exchange(g, src, what=what)
-    shown = ", ".join(f"rank {r}: src={s!r}" for r, s in zip(g.ranks, srcs, strict=True))
-    msg = f"{what}: the members passed different src ({shown}); pass the same src everywhere"
-    raise RankMismatchError(msg)
+def _agreed(
+    g: Group,
+    src: int,
+    entries: list[Entry],
+    bucket_bytes: int,
+    error: BaseException | None,
+    what: str,
+) -> tuple[list[Entry], int]:
+    """The source's entries and bucket size, once every member is known to pass the same ``src``.
+
+    One all-gather carries every member's ``src`` and argument error, and the source's
+    metadata when it fits the gather's first chunk (a few dozen tensors); longer metadata
+    follows in a broadcast, which is safe only once ``src`` is agreed: members that pass
+    different roots would pair broadcasts that never match.
+    """
+    is_src = g.rank_in_group == src
+    line = json.dumps(src).encode() + b"\n"
+    meta = _metadata(entries, bucket_bytes) if is_src and error is None else b""
+    inline = len(line) + len(meta) <= _wire.FIRST_MESSAGE_BYTES - HEADER.size
+    payload = None if error is not None else line + (meta if inline else b"")
+    gathered = _wire.all_gather_bytes(g, payload, error=error, what=what)
+    srcs, carried = zip(*(d.partition(b"\n")[::2] for d in gathered), strict=True)
+    if len(set(srcs)) > 1:
+        shown = ", ".join(
+            f"rank {r}: src={s.decode(errors='replace')}"
+            for r, s in zip(g.ranks, srcs, strict=True)
+        )
+        msg = f"{what}: the members passed different src ({shown}); pass the same src everywhere"
+        raise RankMismatchError(msg)
+    data = carried[src] or _wire.broadcast_bytes(g, meta if is_src else None, src, what=what)
+    return _parse_metadata(data, g, what)
 
 
 def broadcast_weights(
@@ -386,10 +415,8 @@ def _broadcast(
     what: str,
 ) -> dict[str, torch.Tensor]:
     """:func:`broadcast_weights` on a group of two or more members."""
-    _agree_src(g, src, error, what)
+    entries, bucket = _agreed(g, src, entries, bucket_bytes, error, what)
     is_src = g.rank_in_group == src
-    payload = _metadata(entries, bucket_bytes) if is_src else None
-    entries, bucket = _parse_metadata(_wire.broadcast_bytes(g, payload, src, what=what), g, what)
     failure: BaseException | None = None
     targets: list[torch.Tensor] = []
     move: Move | None = None
@@ -413,10 +440,25 @@ def _broadcast(
 
 @contextlib.contextmanager
 def _member_lost(g: Group, what: str) -> Iterator[None]:
-    """Raise a communicator's failure (a member went away) as a PdistError saying so."""
+    """Raise a communicator's failure (a member went away) as a PdistError saying so.
+
+    Where tensors travel on a communicator of their own (NCCL), its kernels would wait
+    on the GPU for a dead peer for good, and a copy to the host behind them with them:
+    a watchdog aborts that communicator once the call outlives the group's timeout, and
+    a failure seen on the CPU group aborts it at once.
+    """
+    stuck = g.device_group if g.device_group is not g.cpu_group else None
+    watchdog = None
+    if stuck is not None:
+        abort = functools.partial(_abort, stuck, g, what)
+        watchdog = threading.Timer(g.timeout.total_seconds(), abort)
+        watchdog.daemon = True
+        watchdog.start()
     try:
         yield
     except RuntimeError as exc:
+        if stuck is not None:
+            _abort(stuck, g, what)
         if isinstance(exc, PdistError):
             raise
         named = _departures.explained(g, what, exc)  # who left, where pdist can tell
@@ -427,6 +469,17 @@ def _member_lost(g: Group, what: str) -> Iterator[None]:
             f"likely because a member went away; rebuild the group without it ({exc})"
         )
         raise PdistError(msg) from exc
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _abort(pg: ProcessGroup, g: Group, what: str) -> None:
+    logger.warning("pdist: %s on group %r: aborting its %s communicator", what, g.name, g.device)
+    try:
+        _compat.abort_group(pg, g.device)
+    except Exception:  # already torn down: nothing is left waiting on it
+        logger.debug("pdist: aborting the communicator failed", exc_info=True)
 
 
 def _targets(

@@ -171,3 +171,46 @@ def _generic_on_one_gpu() -> list[bool]:
 def test_nccl_generic_paths_on_one_rank():
     """The generic paths' NCCL calls run on a one-rank world (the public calls skip them)."""
     assert spawn(_generic_on_one_gpu, 1, timeout=300) == [[True, True]]
+
+
+NCCL_SOURCE_DIES = """
+    import os, time
+    import torch
+    import pdist
+    from pdist.testing import inject
+
+    rank = int(os.environ["RANK"])
+    address = "127.0.0.1:" + os.environ["LINK_PORT"]
+    with pdist.link(address, rank=rank, world_size=2, device=f"cuda:{rank}", timeout=10) as g:
+        assert g.device_group is not g.cpu_group  # tensors travel on NCCL
+        pdist.barrier(g)
+        weights = {f"w{i}": torch.ones(1 << 18, device=g.device) for i in range(8)}
+        into = {f"w{i}": torch.zeros(1 << 18) for i in range(8)}  # on the host: copies block
+        start = time.monotonic()
+        try:
+            if rank == 1:  # the source goes away after two buckets
+                with inject(pack=lambda i: os._exit(3) if i == 2 else None):
+                    pdist.broadcast_weights(g, weights, src=1, bucket_bytes=1 << 20)
+            else:
+                pdist.broadcast_weights(g, src=1, into=into, bucket_bytes=1 << 20)
+        except pdist.PdistError as exc:
+            print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}")
+    print("OK")
+"""
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+def test_nccl_link_survivor_raises_when_the_source_dies_mid_broadcast():
+    """pdist's watchdog aborts the stuck NCCL communicator: the receiver raises, naming it."""
+    import socket
+
+    from launcher import run_ranks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    receiver = run_ranks(NCCL_SOURCE_DIES, 2, timeout=120, env={"LINK_PORT": str(port)})[0]
+    assert receiver.returncode == 0, receiver.output
+    assert "RAISED after" in receiver.output, receiver.output
+    assert "rank 1" in receiver.output.split("RAISED after")[1], receiver.output
+    assert float(receiver.output.split("RAISED after ")[1].split("s")[0]) < 10 + 15

@@ -78,6 +78,29 @@ def test_bad_source_raises_everywhere(ctx):
         pdist.broadcast_weights(ctx, None, into={} if ctx.rank else None)
 
 
+@world_sizes(3)
+def test_different_src_raises_everywhere(ctx):
+    """Members that pass different src all raise, naming each member's, and the group goes on."""
+    src = 1 if ctx.rank == 2 else 0
+    with pytest.raises(
+        pdist.RankMismatchError, match=r"rank 0: src=0, rank 1: src=0, rank 2: src=1"
+    ):
+        pdist.broadcast_weights(ctx, weights(), src=src, into=weights())
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == 3.0
+
+
+@world_sizes(2, 3)
+def test_many_names_past_the_first_chunk(ctx):
+    """Metadata longer than the agreement's first chunk (400 names) still arrives whole."""
+    mine = {
+        f"model.layers.{i}.mlp.experts.weight": torch.full((i % 5,), float(i)) for i in range(400)
+    }
+    into = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in mine.items()}
+    out = pdist.broadcast_weights(ctx, mine if ctx.rank == 0 else None, into=into)
+    for n, t in out.items():
+        assert torch.equal(t, mine[n].double())
+
+
 DEAD_SOURCE = """
     import os, time
     import torch

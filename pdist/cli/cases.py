@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import mmap
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -175,13 +176,29 @@ def _from_rank0(ctx: DistContext, obj: object) -> list[Any]:
     return [obj] if ctx.rank == 0 else [None]
 
 
+def _fresh_pages(like: torch.Tensor) -> torch.Tensor:
+    """Memory no one wrote, as a result needs: on CPU, transparent huge pages where offered."""
+    if like.device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty_like(like)
+    region = mmap.mmap(-1, like.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=like.dtype)
+
+
 def _structured_a(ctx: DistContext, stack: Stack) -> Fns:
-    """(a) one 128 MiB tensor with metadata vs a raw broadcast of the same bytes."""
+    """(a) one 128 MiB tensor with metadata vs a raw broadcast of the same bytes.
+
+    ``raw_broadcast`` reuses one warm tensor; a result of its own memory (pdist's, or
+    ``raw_broadcast_into_fresh``'s) first pays the kernel's zeroing of fresh pages.
+    """
     w, raw, pg = torch.ones(32 << 20), torch.ones(32 << 20), ctx.world.device_group
     payload = {"w": w, "meta": {"step": 1000, "name": "layer.0.weight", "shape": tuple(w.shape)}}
     return {
         "pdist": lambda: pdist.broadcast_object_list(ctx, _from_rank0(ctx, payload)),
         "raw_broadcast": lambda: dist.broadcast(raw, 0, group=pg),
+        "raw_broadcast_into_fresh": lambda: dist.broadcast(
+            raw if ctx.rank == 0 else _fresh_pages(raw), 0, group=pg
+        ),
     }
 
 
