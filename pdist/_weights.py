@@ -4,11 +4,15 @@ The weight sync of reinforcement learning (trainer -> inference engine over a li
 ``sync_model_states`` within a job, move the same thing: many named tensors whose layout
 the receivers already know or can check. Three steps:
 
-1. **Agree.** One all-gather carries every member's argument errors and ``src``, and the
-   source's metadata (names, shapes, dtypes, its ``bucket_bytes``: plain JSON, never
-   pickle) when short, else a broadcast follows; each receiver checks its ``into``
-   against it, and one status makes a difference raise on every member before any byte
-   moves. With the closing status, a call costs three small collectives besides the data.
+1. **Agree.** One all-gather carries every member's argument errors and ``src``, a digest
+   of each receiver's ``into``, and the source's metadata (names, shapes, dtypes, its
+   ``bucket_bytes``: plain JSON, never pickle) when short, else a broadcast follows; each
+   receiver checks its ``into`` against it, and one status makes a difference raise on
+   every member before any byte moves. That status is skipped when every digest shows
+   an ``into`` that takes each tensor straight (same names, shapes and dtypes,
+   contiguous, on the group's device) and nothing travels packed: then no member
+   allocates, and none can fail. With the closing status, a weight sync into a
+   running engine costs two small collectives besides the data; other calls three.
 2. **Plan** (a pure function of the metadata, so every member issues the same
    broadcasts): tensors under :data:`DIRECT_BYTES` are packed into buckets of at most
    ``bucket_bytes``; larger ones travel alone, in chunks of at most ``bucket_bytes``.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -313,37 +318,69 @@ def _check_args(g: Group, src: int, bucket_bytes: object) -> None:
         raise ValueError(msg)
 
 
+def _digest(rows: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> str:
+    text = json.dumps(sorted([n, list(shape), dtype_name(d)] for n, shape, d in rows))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _ready(into: object, device: torch.device) -> str:
+    """A receiver's promise that its ``into`` takes every tensor as is: their digest, or ""."""
+    try:
+        if isinstance(into, Mapping) and all(
+            t.is_contiguous() and t.device == device for t in into.values()
+        ):
+            return _digest((n, tuple(t.shape), t.dtype) for n, t in into.items())
+    except Exception:  # not tensors, or names that are not str: the checks name it later
+        pass
+    return ""
+
+
+class _Agreed(NamedTuple):
+    entries: list[Entry]
+    bucket: int
+    ready: bool  # every receiver's into takes every tensor straight: nothing can fail
+
+
 def _agreed(
     g: Group,
     src: int,
     entries: list[Entry],
     bucket_bytes: int,
+    into: object,
     error: BaseException | None,
     what: str,
-) -> tuple[list[Entry], int]:
-    """The source's entries and bucket size, once every member is known to pass the same ``src``.
+) -> _Agreed:
+    """The source's entries, once every member is known to pass the same ``src``.
 
-    One all-gather carries every member's ``src`` and argument error, and the source's
-    metadata when it fits the gather's first chunk (a few dozen tensors); longer metadata
-    follows in a broadcast, which is safe only once ``src`` is agreed: members that pass
-    different roots would pair broadcasts that never match.
+    One all-gather carries every member's ``src``, argument error and the digest of its
+    ``into`` (see :func:`_ready`), and the source's metadata when it fits the gather's
+    first chunk (a few dozen tensors); longer metadata follows in a broadcast, which is
+    safe only once ``src`` is agreed: members that pass different roots would pair
+    broadcasts that never match.
     """
     is_src = g.rank_in_group == src
-    line = json.dumps(src).encode() + b"\n"
+    mine = "-" if is_src and into is None else _ready(into, g.device)  # "-": nothing to fill
+    head = json.dumps([src, mine]).encode() + b"\n"
     meta = _metadata(entries, bucket_bytes) if is_src and error is None else b""
-    inline = len(line) + len(meta) <= _wire.FIRST_MESSAGE_BYTES - HEADER.size
-    payload = None if error is not None else line + (meta if inline else b"")
+    inline = len(head) + len(meta) <= _wire.FIRST_MESSAGE_BYTES - HEADER.size
+    payload = None if error is not None else head + (meta if inline else b"")
     gathered = _wire.all_gather_bytes(g, payload, error=error, what=what)
-    srcs, carried = zip(*(d.partition(b"\n")[::2] for d in gathered), strict=True)
-    if len(set(srcs)) > 1:
-        shown = ", ".join(
-            f"rank {r}: src={s.decode(errors='replace')}"
-            for r, s in zip(g.ranks, srcs, strict=True)
-        )
+    heads, carried = zip(*(d.partition(b"\n")[::2] for d in gathered), strict=True)
+    try:
+        srcs, digests = zip(*(_plain.loads(h) for h in heads), strict=True)
+    except (ValueError, TypeError, UnicodeDecodeError, PdistError):
+        msg = f"{what} on group {g.name!r}: a member sent a malformed agreement"
+        raise PdistError(msg) from None
+    if len(set(map(repr, srcs))) > 1:
+        shown = ", ".join(f"rank {r}: src={s!r}" for r, s in zip(g.ranks, srcs, strict=True))
         msg = f"{what}: the members passed different src ({shown}); pass the same src everywhere"
         raise RankMismatchError(msg)
     data = carried[src] or _wire.broadcast_bytes(g, meta if is_src else None, src, what=what)
-    return _parse_metadata(data, g, what)
+    entries, bucket = _parse_metadata(data, g, what)
+    expected = _digest(entries)
+    ready = all(d == expected or (i == src and d == "-") for i, d in enumerate(digests))
+    packed = any(isinstance(step, _Packed) for step in _plan(entries, bucket))
+    return _Agreed(entries, bucket, ready and not packed)
 
 
 def broadcast_weights(
@@ -415,7 +452,7 @@ def _broadcast(
     what: str,
 ) -> dict[str, torch.Tensor]:
     """:func:`broadcast_weights` on a group of two or more members."""
-    entries, bucket = _agreed(g, src, entries, bucket_bytes, error, what)
+    entries, bucket, ready = _agreed(g, src, entries, bucket_bytes, into, error, what)
     is_src = g.rank_in_group == src
     failure: BaseException | None = None
     targets: list[torch.Tensor] = []
@@ -427,7 +464,12 @@ def _broadcast(
         move = Move(g, entries, targets, src, bucket, what=what)
     except Exception as exc:
         failure = exc
-    _agree.status(g, failure, what=what)
+    # Receivers that take every tensor straight allocate nothing and cannot differ from
+    # the source (their digests matched): no member can fail here, so no status either.
+    if not ready:
+        _agree.status(g, failure, what=what)
+    elif failure is not None:
+        raise failure
     with torch.no_grad():
         cast("Move", move).run()
         if is_src and into is not None:

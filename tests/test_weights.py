@@ -8,7 +8,7 @@ from launcher import run_ranks
 from test_links import free_port, passed
 
 import pdist
-from pdist.testing import world_sizes
+from pdist.testing import count_collectives, inject, world_sizes
 
 SHAPES = {"embed": (300, 64), "norm": (64,), "head": (64, 300), "bias": (7,), "step": ()}
 
@@ -99,6 +99,53 @@ def test_many_names_past_the_first_chunk(ctx):
     out = pdist.broadcast_weights(ctx, mine if ctx.rank == 0 else None, into=into)
     for n, t in out.items():
         assert torch.equal(t, mine[n].double())
+
+
+BIG = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(3)}  # 1 MiB each: alone
+
+
+def _count(ctx, into) -> int:
+    with count_collectives() as calls:
+        pdist.broadcast_weights(ctx, BIG if ctx.rank == 0 else None, into=into)
+    return sum(calls.values())
+
+
+@world_sizes(3)
+def test_an_into_that_takes_every_tensor_straight_skips_a_round(ctx):
+    """Receivers whose into matches exactly spare the status round that a cast into needs."""
+    exact = {n: torch.zeros_like(t) for n, t in BIG.items()}
+    cast = {n: torch.zeros_like(t, dtype=torch.bfloat16) for n, t in BIG.items()}
+    straight = _count(ctx, exact if ctx.rank else None)
+    assert _count(ctx, cast if ctx.rank else None) == straight + 1
+    for n, t in BIG.items():
+        if ctx.rank:
+            assert torch.equal(exact[n], t)
+            assert torch.equal(cast[n], t.bfloat16())
+
+
+def _pack_fails(index: int) -> None:
+    if index == 1:
+        raise RuntimeError("simulated packing failure")
+
+
+@world_sizes(3)
+def test_a_source_that_fails_midway_raises_everywhere_on_the_straight_path(ctx):
+    """No status before the move: a failure while the source sends still raises on all."""
+    into = None if ctx.rank == 0 else {n: torch.zeros_like(t) for n, t in BIG.items()}
+    failing = inject(pack=_pack_fails if ctx.rank == 0 else None)
+    with failing, pytest.raises(pdist.PdistError, match="simulated packing failure"):
+        pdist.broadcast_weights(ctx, BIG if ctx.rank == 0 else None, into=into)
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == 3.0
+
+
+@world_sizes(2)
+def test_a_source_into_that_differs_raises_everywhere(ctx):
+    """The source's own into lacking a name: every member raises, before any byte moves."""
+    mine = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    if ctx.rank == 0:
+        mine.pop("bias")
+    with pytest.raises(pdist.PdistError, match=r"'bias'.*missing"):
+        pdist.broadcast_weights(ctx, weights() if ctx.rank == 0 else None, into=mine)
 
 
 DEAD_SOURCE = """
