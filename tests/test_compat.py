@@ -125,7 +125,7 @@ def test_a_second_store_connection_reaches_the_same_keys():
         assert second is None
     # The clients go before their server. Left to the end of the test (in no set order), 3
     # runs in 10 of this file, test_check and test_departures saw a later store of this
-    # process (pdist.testing.spawn's) time out its ranks' connections; 0 in 14 since.
+    # process (pdist.testing.spawn's) time out its ranks' connections; 0 in 7 since.
     del other, second, prefixed
     del server
     path = os.path.join(tempfile.mkdtemp(prefix="pdist-compat-"), "store")
