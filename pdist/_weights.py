@@ -359,11 +359,16 @@ def _agreed(
     broadcasts that never match.
     """
     is_src = g.rank_in_group == src
-    mine = "-" if is_src and into is None else _ready(into, g.device)  # "-": nothing to fill
-    head = json.dumps([src, mine]).encode() + b"\n"
-    meta = _metadata(entries, bucket_bytes) if is_src and error is None else b""
-    inline = len(head) + len(meta) <= _wire.FIRST_MESSAGE_BYTES - HEADER.size
-    payload = None if error is not None else head + (meta if inline else b"")
+    meta, payload = b"", None
+    try:
+        if error is None:  # else src may be anything: the error travels instead
+            mine = "-" if is_src and into is None else _ready(into, g.device)  # "-": none
+            head = json.dumps([src, mine]).encode() + b"\n"
+            meta = _metadata(entries, bucket_bytes) if is_src else b""
+            inline = len(head) + len(meta) <= _wire.FIRST_MESSAGE_BYTES - HEADER.size
+            payload = head + (meta if inline else b"")
+    except Exception as exc:  # a dtype the metadata cannot name, say: raise on all
+        error = exc
     gathered = _wire.all_gather_bytes(g, payload, error=error, what=what)
     heads, carried = zip(*(d.partition(b"\n")[::2] for d in gathered), strict=True)
     try:
