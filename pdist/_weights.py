@@ -492,7 +492,9 @@ def _member_lost(g: Group, what: str) -> Iterator[None]:
     Where tensors travel on a communicator of their own (NCCL), its kernels would wait
     on the GPU for a dead peer for good, and a copy to the host behind them with them:
     a watchdog aborts that communicator once the call outlives the group's timeout, and
-    a failure seen on the CPU group aborts it at once.
+    a communicator failure seen on the CPU group aborts it at once. An error the members
+    raised together (a mismatched ``into``, a bad argument) leaves it alone: the group
+    is healthy and goes on.
     """
     stuck = g.device_group if g.device_group is not g.cpu_group else None
     watchdog = None
@@ -504,7 +506,8 @@ def _member_lost(g: Group, what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        if stuck is not None:
+        gone = not isinstance(exc, PdistError) or isinstance(exc, _departures.PeerLeftError)
+        if stuck is not None and gone:
             _abort(stuck, g, what)
         if isinstance(exc, PdistError):
             raise
