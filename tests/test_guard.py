@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 from launcher import raised_after, run_ranks
+from test_links import free_port
+from test_startup import SRUN
 
 import pdist
 from pdist.testing import world_sizes
@@ -230,14 +231,10 @@ def test_guard_check_in_is_under_the_deadline():
     assert "INSIDE" not in out.stdout
 
 
-FROZEN_STORE_HOST = """
-    import os, signal, time, torch
-    # Launched as srun does: rank 0 hosts the rendezvous store.
-    rank = os.environ.pop("RANK")
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
-    os.environ.update(SLURM_PROCID=rank, SLURM_NTASKS=os.environ.pop("WORLD_SIZE"),
-                      SLURM_LOCALID=os.environ.pop("LOCAL_RANK"),
-                      MASTER_PORT=os.environ["PDIST_TEST_PORT"])
+FROZEN_STORE_HOST = (
+    SRUN
+    + """
+    import signal, torch
     import pdist
     start = time.time()
     try:
@@ -256,16 +253,18 @@ FROZEN_STORE_HOST = """
         print(f"RAISED after {time.time() - start:.1f}s: {type(exc).__name__}", flush=True)
     print(f"LEFT after {time.time() - start:.1f}s", flush=True)
 """
+)
 
 
 def test_no_pdist_thread_keeps_a_survivor_from_exiting():
     """The store's host freezes mid-run: every survivor raises and its process exits in time."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     launched = time.time()
     results = run_ranks(
-        FROZEN_STORE_HOST, 3, timeout=120, env={"PDIST_TEST_PORT": str(port)}, wait_for=[1, 2]
+        FROZEN_STORE_HOST,
+        3,
+        timeout=120,
+        env={"PDIST_TEST_PORT": str(free_port())},
+        wait_for=[1, 2],
     )
     for r in results[1:]:
         assert r.returncode == 0, r.output

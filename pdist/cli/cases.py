@@ -177,7 +177,11 @@ def _from_rank0(ctx: DistContext, obj: object) -> list[Any]:
 
 
 def _fresh_pages(like: torch.Tensor) -> torch.Tensor:
-    """Memory no one wrote, as a result needs: on CPU, transparent huge pages where offered."""
+    """Memory no one wrote, as a result needs: on CPU, transparent huge pages where offered.
+
+    Not ``_buffers.allocate``, though it does the same: a baseline stays independent of
+    the code it is measured against, and ``_buffers`` serves the transports only.
+    """
     if like.device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty_like(like)
     region = mmap.mmap(-1, like.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
