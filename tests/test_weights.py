@@ -148,6 +148,18 @@ def test_a_source_into_that_differs_raises_everywhere(ctx):
         pdist.broadcast_weights(ctx, weights() if ctx.rank == 0 else None, into=mine)
 
 
+@world_sizes(3)
+def test_nothing_to_send(ctx):
+    """An empty mapping, and a zero-size tensor, arrive as such (into or a new dict)."""
+    source = ctx.rank == 0
+    assert pdist.broadcast_weights(ctx, {} if source else None, into=None if source else {}) == {}
+    assert pdist.broadcast_weights(ctx, {} if source else None) == {}
+    into = {"z": torch.ones(0, 3)}
+    out = pdist.broadcast_weights(ctx, {"z": torch.zeros(0, 3)} if source else None, into=into)
+    assert list(out) == ["z"]
+    assert out["z"].shape == (0, 3)
+
+
 DEAD_SOURCE = """
     import os, time
     import torch
