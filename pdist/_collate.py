@@ -341,7 +341,7 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
         if local.spec is None:
             return None
         with torch.no_grad():
-            leaves = (c[0].detach() if len(c) == 1 else torch.cat(c) for c in local.columns)
+            leaves = (torch.cat(c) for c in local.columns)  # fresh memory, as on W ranks
             return _unflatten(local.spec, leaves)
     try:
         local, error = _local(batches, g.device), None

@@ -92,7 +92,10 @@ class _Regions:
     def send(self, me: int, encoded: Encoded | None, bucket: int | None) -> torch.Tensor:
         """This rank's bytes to send: in its own region, a row-sized buffer, or a lone tensor."""
         size, length = self.sizes[me], self.top if self.even else self.sizes[me]
-        if bucket is not None and encoded is not None and size == length and encoded.lone(bucket):
+        # A lone tensor travels in place, except where its region is what moves: an uneven
+        # gather's receiving rank sends from that region and rebuilds its own entry from it.
+        in_place = size == length and (self.even or not self.out.numel())
+        if bucket is not None and encoded is not None and in_place and encoded.lone(bucket):
             return encoded.pack(bucket)
         if self.out.numel():  # a receiving rank rebuilds its own entry from its region
             flat = self.row(me) if self.even else self.region(me)

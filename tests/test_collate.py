@@ -187,6 +187,24 @@ def test_collectives_independent_of_the_number_of_leaves(ctx):
 
 
 @world_sizes(1, 2)
+def test_one_batch_comes_back_in_fresh_memory(ctx):
+    """One batch per rank (a non-contiguous leaf too): each leaf comes back in fresh memory.
+
+    Contiguous, and out of reach of later writes to the caller's batch, on one rank as on several.
+    """
+    n, w = 4, ctx.world_size
+    rows = torch.arange(float(ctx.rank), n * w, w)  # this rank's dataset indices
+    batch = {"x": rows.clone(), "y": torch.stack([rows, -rows]).t()}  # y: a transposed view
+    result = pdist.collate_batches(ctx, [batch])
+    batch["x"].fill_(-7.0)
+    batch["y"].fill_(-7.0)
+    everything = torch.arange(float(n * w))
+    assert torch.equal(result["x"], everything)
+    assert torch.equal(result["y"], torch.stack([everything, -everything]).t())
+    assert result["y"].is_contiguous()
+
+
+@world_sizes(1, 2)
 def test_bad_batches_argument(ctx):
     """batches must be a list: TypeError on one rank, the same RemoteError on every rank of more."""
     expected = TypeError if ctx.world_size == 1 else pdist.PdistError

@@ -462,6 +462,23 @@ def test_uneven_gathers(ctx):
         assert torch.equal(got[0]["t"], torch.ones(300))
 
 
+@world_sizes(3)
+def test_uneven_gathers_of_one_lone_tensor(ctx):
+    """A lone tensor (16 KiB, sent in place) on one rank of three, none elsewhere: uneven.
+
+    Each rank's region travels alone, and the sender's own region is filled too.
+    """
+    expected = torch.full((4096,), 7.0)
+    obj = {"t": expected.clone() if ctx.rank == 0 else None}
+    got = pdist.all_gather_object(ctx, obj)
+    assert torch.equal(got[0]["t"], expected)
+    assert [o["t"] for o in got[1:]] == [None, None]
+    for dst in (0, 1):
+        got = pdist.gather_object(ctx, obj, dst=dst)
+        if ctx.rank == dst:
+            assert torch.equal(got[0]["t"], expected)
+
+
 def _many(n: int):
     return {"ts": [torch.full((1024,), float(i)) for i in range(n)], "step": 3}
 
