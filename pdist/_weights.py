@@ -37,7 +37,7 @@ from typing import NamedTuple, cast
 import torch
 
 from . import _agree, _compat, _departures, _plain, _rooted, _seams, _wire
-from ._buffers import allocate
+from ._buffers import allocate, resolved
 from ._errors import HEADER, PdistError, RankMismatchError
 from ._group import DistContext, Group, ProcessGroup, as_group
 from ._serialize import dtype_name, dtype_of
@@ -115,22 +115,35 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _source_bytes(t: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Bytes ``[start, stop)`` of ``t`` on ``device``: a view when ``t`` is contiguous there.
+def _flat_source(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a flat tensor of its dtype: a view when ``t`` is contiguous.
 
-    Sliced in ``t``'s own dtype first, so that only that part moves to ``device`` (a chunk,
+    A conjugate or negative view is resolved first: its memory does not hold its values.
+    """
+    return resolved(t).reshape(-1)
+
+
+def _source_bytes(flat: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of a :func:`_flat_source` on ``device``.
+
+    Sliced in its own dtype first, so that only that part moves to ``device`` (a chunk,
     never the whole tensor) and devices that cannot view bytes (torch's lazy) still work.
     """
-    size = t.element_size()
-    part = t.detach().reshape(-1)[start // size : stop // size]
+    size = flat.element_size()
+    part = flat[start // size : stop // size]
     if part.device != device:
         part = part.to(device)
     return _flat_bytes(part.contiguous())
 
 
+def _straight(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t``'s own memory holds its values in order on ``device`` (a wire as is)."""
+    return t.is_contiguous() and t.device == device and not (t.is_conj() or t.is_neg())
+
+
 def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
     """Whether ``t``'s own memory can be the wire for ``e`` (no staging)."""
-    return t.is_contiguous() and t.dtype == e.dtype and t.device == device
+    return t.dtype == e.dtype and _straight(t, device)
 
 
 class Move:
@@ -138,10 +151,12 @@ class Move:
 
     Every member passes ``entries`` (the same everywhere, agreed) and one tensor per entry
     of that shape: the source's to send, a receiver's to fill (of any dtype and device:
-    it is cast, as ``copy_`` does). Extra memory: at most one staging buffer of
-    ``bucket_bytes`` (and, for a non-contiguous destination, a contiguous copy of it).
-    Make it before the status that lets every member go on (its staging is allocated
-    here, so that a failure raises on all); then :meth:`run`.
+    it is cast, as ``copy_`` does). ``copies``: ``(destination, source)`` pairs a member
+    copies once the data moved, before the closing status, so that a failure raises on
+    every member (the source filling its own ``into``). Extra memory: at most one staging
+    buffer of ``bucket_bytes`` (and, for a non-contiguous tensor that travels in chunks,
+    a contiguous copy of it). Make it before the status that lets every member go on (its
+    staging is allocated here, so that a failure raises on all); then :meth:`run`.
     """
 
     def __init__(
@@ -153,6 +168,7 @@ class Move:
         bucket_bytes: int,
         *,
         what: str,
+        copies: Iterable[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> None:
         self.group, self.entries, self.tensors, self.src, self.what = (
             group,
@@ -161,6 +177,7 @@ class Move:
             src,
             what,
         )
+        self.copies = list(copies)
         self.steps = _plan(entries, bucket_bytes)
         self.is_src = group.rank_in_group == src
         device = group.device
@@ -173,6 +190,7 @@ class Move:
         # Allocated before the members agree to go on, so that a failure here raises on all.
         self.staging = allocate(max(need), device, what=what) if need else None
         self.contiguous: dict[int, torch.Tensor] = {}  # non-contiguous destinations
+        self._flat: tuple[int, torch.Tensor] | None = None  # the source's chunked tensor
 
     def run(self) -> None:
         """Move every step; a local failure lets the others finish, then raises on every member.
@@ -202,6 +220,8 @@ class Move:
             if failure is None:
                 for i, dest in self.contiguous.items():
                     self.tensors[i].copy_(dest)
+                for dest, source in self.copies:
+                    dest.copy_(source)
         except Exception as exc:
             failure = exc
         _agree.status(self.group, failure, what=self.what)
@@ -220,11 +240,14 @@ class Move:
             if self.is_src and pack:
                 for i, off in step.parts:
                     n = self.entries[i].nbytes
-                    wire[off : off + n].copy_(_source_bytes(self.tensors[i], 0, n, device))
+                    flat = _flat_source(self.tensors[i])
+                    wire[off : off + n].copy_(_source_bytes(flat, 0, n, device))
             return wire
         t, e = self.tensors[step.entry], self.entries[step.entry]
-        if self.is_src:
-            return _source_bytes(t, step.start, step.stop, device)
+        if self.is_src:  # flattened once per tensor (a copy if need be), not once per chunk
+            if self._flat is None or self._flat[0] != step.entry:
+                self._flat = (step.entry, _flat_source(t))
+            return _source_bytes(self._flat[1], step.start, step.stop, device)
         if _direct(t, e, device):
             return _flat_bytes(t)[step.start : step.stop]
         return cast("torch.Tensor", staging)[: step.stop - step.start]
@@ -239,7 +262,10 @@ class Move:
         t, e = self.tensors[step.entry], self.entries[step.entry]
         if _direct(t, e, self.group.device):
             return
-        dest = t if t.is_contiguous() else self.contiguous.setdefault(step.entry, t.contiguous())
+        dest = self.contiguous.get(step.entry, t)
+        if not _straight(dest, dest.device):  # filled whole by the chunks, copied in at the end
+            dest = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            self.contiguous[step.entry] = dest
         size = e.dtype.itemsize
         dest.view(-1)[step.start // size : step.stop // size].copy_(wire.view(e.dtype))
 
@@ -326,9 +352,7 @@ def _digest(rows: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> str:
 def _ready(into: object, device: torch.device) -> str:
     """A receiver's promise that its ``into`` takes every tensor as is: their digest, or ""."""
     try:
-        if isinstance(into, Mapping) and all(
-            t.is_contiguous() and t.device == device for t in into.values()
-        ):
+        if isinstance(into, Mapping) and all(_straight(t, device) for t in into.values()):
             return _digest((n, tuple(t.shape), t.dtype) for n, t in into.items())
     except Exception:  # not tensors, or names that are not str: the checks name it later
         pass
@@ -466,7 +490,9 @@ def _broadcast(
         if into is not None:
             _check_into(into, entries, g, src)
         targets = _targets(g, entries, tensors if is_src else into)
-        move = Move(g, entries, targets, src, bucket, what=what)
+        mine = [into[e.name] for e in entries] if is_src and into is not None else []
+        copies = zip(mine, targets, strict=False)  # the source fills its own into
+        move = Move(g, entries, targets, src, bucket, what=what, copies=copies)
     except Exception as exc:
         failure = exc
     # Receivers that take every tensor straight allocate nothing and cannot differ from
@@ -477,9 +503,6 @@ def _broadcast(
         raise failure
     with torch.no_grad():
         cast("Move", move).run()
-        if is_src and into is not None:
-            for e, t in zip(entries, targets, strict=True):
-                into[e.name].copy_(t)
     if into is not None:
         return dict(into) if not isinstance(into, dict) else into
     return {e.name: t for e, t in zip(entries, targets, strict=True)}

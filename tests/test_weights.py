@@ -47,6 +47,10 @@ def test_new_dict_without_into(ctx):
         assert torch.equal(t, mine[n])
         if ctx.rank != 0:
             assert t.data_ptr() != mine[n].data_ptr()
+    # A non-contiguous source in many chunks (flattened once, not once per chunk).
+    wide = torch.arange(64 * 300.0).view(64, 300)
+    out = pdist.broadcast_weights(ctx, {"w": wide.t()} if ctx.rank == 0 else None, bucket_bytes=512)
+    assert torch.equal(out["w"], wide.t())
 
 
 MISMATCHES = [
@@ -146,6 +150,36 @@ def test_a_source_into_that_differs_raises_everywhere(ctx):
         mine.pop("bias")
     with pytest.raises(pdist.PdistError, match=r"'bias'.*missing"):
         pdist.broadcast_weights(ctx, weights() if ctx.rank == 0 else None, into=mine)
+
+
+@world_sizes(3)
+def test_a_source_into_that_cannot_take_the_copy_raises_everywhere(ctx):
+    """The source fills its own into before the closing status: its failure reaches all."""
+    src = 1
+    into = {"w": torch.zeros(1).expand(4) if ctx.rank == src else torch.zeros(4)}
+    tensors = {"w": torch.arange(4.0)} if ctx.rank == src else None
+    with pytest.raises(pdist.PdistError, match="failed on rank 1: RuntimeError"):
+        pdist.broadcast_weights(ctx, tensors, src=src, into=into)
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == 3.0
+
+
+@world_sizes(2)
+def test_conjugate_and_negative_views(ctx):
+    """Conjugate and negative views travel by value, as sources and as into (packed, chunked)."""
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j], dtype=torch.complex64)
+    expected = {
+        "conj": torch.tensor([1 - 2j, 3 + 4j, -5 - 0.5j]),
+        "neg": torch.tensor([-2, 4, -0.5]),
+    }
+    tensors = {"conj": z.conj(), "neg": z.conj().imag} if ctx.rank == 0 else None
+    for bucket_bytes in (256 << 20, 8):
+        out = pdist.broadcast_weights(ctx, tensors, bucket_bytes=bucket_bytes)
+        for name, want in expected.items():
+            assert torch.equal(out[name], want)
+        into = {"conj": torch.zeros(3, dtype=torch.complex64).conj(), "neg": torch.zeros(3)}
+        pdist.broadcast_weights(ctx, tensors, into=into, bucket_bytes=bucket_bytes)
+        for name, want in expected.items():
+            assert torch.equal(into[name], want)
 
 
 @world_sizes(3)
