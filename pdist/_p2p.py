@@ -50,13 +50,15 @@ def _send_payload(
     """Send ``make()`` (or what it raises) to ``peer``; with ``split``, only this rank's parts."""
     parts = 1 if split is None else split.world_size
     try:
+        obj = make()  # checks ``split`` too
         encoded = encode(
-            make(),
+            obj,
             g.device,
             min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES,
             bucket_bytes=DEFAULT_BUCKET_BYTES,
             pad_to=parts * ALIGN if parts > 1 else 1,
             split=parts,
+            part=0 if split is None else split.rank_in_group,
         )
         packed = [encoded.pack(i) for i in range(len(encoded.buckets))]  # a failure travels
     except Exception as exc:
@@ -102,14 +104,7 @@ def _recv_payload(
     if error is None:
         try:
             decoded = decode(body, source=source)
-            parts = 1 if stage is None else stage.world_size
-            if decoded.split != parts:
-                msg = (
-                    f"all_gather_group on rank {g.rank} has {parts} rank(s) but rank "
-                    f"{g.ranks[peer]} sent each bucket in {decoded.split} part(s); pass "
-                    "all_gather_groups of the same size on both sides (or None on both)"
-                )
-                raise ValueError(msg)
+            _check_part(g, peer, decoded, stage)
             buffers = receive_buffers(decoded, g.device)
             tensors = tensors_of(decoded, buffers, g.device)
         except Exception as exc:
@@ -127,6 +122,27 @@ def _recv_payload(
         if stage is not None:
             all_gather_into(data, part, stage.transport(bucket.kind))
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)
+
+
+def _check_part(g: Group, peer: int, decoded: Decoded, stage: Group | None) -> None:
+    """Raise unless this rank's share of each bucket is the part the sender sent (if any)."""
+    parts, me = (1, 0) if stage is None else (stage.world_size, stage.rank_in_group)
+    if not decoded.buckets:  # nothing travels split
+        return
+    if decoded.split != parts:
+        msg = (
+            f"all_gather_group on rank {g.rank} has {parts} rank(s) but rank "
+            f"{g.ranks[peer]} sent each bucket in {decoded.split} part(s); pass "
+            "all_gather_groups of the same size on both sides (or None on both)"
+        )
+        raise ValueError(msg)
+    if decoded.part != me:
+        msg = (
+            f"rank {g.ranks[peer]} sent part {decoded.part} of each bucket to rank {g.rank}, "
+            f"index {me} of its all_gather_group: pair each sender with the receiver at its "
+            "own index in the stage"
+        )
+        raise ValueError(msg)
 
 
 def _agree_split(
@@ -219,7 +235,8 @@ def send_tensor_dict(
 
     Note:
         The destination must call :func:`recv_tensor_dict` with a
-        matching ``all_gather_group`` size.
+        matching ``all_gather_group`` size, at this rank's index in its own
+        (else both stages raise).
     """
     g = as_group(group)
     peer = _peer(g, dst, g.next_rank, "dst")

@@ -46,7 +46,7 @@ GRAD, PARAM, DEVICE, STORAGE = 1, 2, 4, 8  # header flags
 _PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
 _MAGIC = b"pdP1"
 _LEAN = b"pdP0"  # a body of only a skeleton (no tensors): the magic, then the pickle
-_FIELDS = {"s", "d", "b", "t", "k"}  # skeleton length, dtypes, buckets, tensors, parts
+_FIELDS = {"s", "d", "b", "t", "k", "p"}  # skeleton length, dtypes, buckets, tensors, parts, part
 _MAX_DIMS = 64
 _JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # ours has no cycle
 _JSON_IN = json.JSONDecoder()  # json.loads detects the bytes' encoding in Python first
@@ -239,8 +239,12 @@ def encode(
     bucket_bytes: int = 1 << 62,
     pad_to: int = 1,
     split: int = 1,
+    part: int = 0,
 ) -> Encoded:
-    """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``."""
+    """Encode ``obj`` (``min_tensor_bytes=None``: every tensor inline) for a group on ``device``.
+
+    ``split``, ``part``: each bucket travels in ``split`` parts, of which the sender sends ``part``.
+    """
     skeleton, entries = dumps(obj)
     if not entries:
         return Encoded(_LEAN + skeleton, [], [])
@@ -268,7 +272,7 @@ def encode(
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
     names = [dtype_name(d) for d in dtypes]
     header = {"s": len(skeleton), "d": names, "b": [list(b) for b in buckets]}
-    header.update({"t": records, "k": split})
+    header.update({"t": records, "k": split, "p": part})
     data = _JSON.encode(header).encode()
     body = b"".join([_PREFIX.pack(_MAGIC, len(data), len(buckets)), data, skeleton, *inline])
     return Encoded(body, buckets, fills)
@@ -300,6 +304,7 @@ class Decoded(NamedTuple):
     buckets: list[Bucket]
     blob: bytes
     split: int = 1
+    part: int = 0
 
 
 def _is_int(value: object, low: int = 0) -> bool:
@@ -323,9 +328,9 @@ def _header(body: bytes, count: int, source: str) -> tuple[dict[str, Any], int]:
         # Checked here, not on every header: the fields' own checks refuse deeper nesting.
         if _plain.deeper_than(header, 4):
             raise _corrupt(source, "the header nests too deeply")
-        raise _corrupt(source, "the header does not have the fields s, d, b, t, k")
-    if not _is_int(header["k"], 1):
-        raise _corrupt(source, f"split {header['k']!r:.40}")
+        raise _corrupt(source, "the header does not have the fields s, d, b, t, k, p")
+    if not _is_int(header["k"], 1) or not _is_int(header["p"]) or header["p"] >= header["k"]:
+        raise _corrupt(source, f"split {header['k']!r:.40} part {header['p']!r:.40}")
     if not _is_int(header["s"]) or start + header["s"] > len(body):
         raise _corrupt(source, f"skeleton length {header['s']!r:.40}")
     if not isinstance(header["d"], list) or not isinstance(header["t"], list):
@@ -434,7 +439,7 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         if not end <= b.nbytes < end + slack:
             raise _corrupt(source, f"bucket {i} of {b.nbytes} bytes for tensors ending at {end}")
     skeleton = body[start : start + header["s"]]
-    return Decoded(skeleton, specs, storage, places, buckets, blob, header["k"])
+    return Decoded(skeleton, specs, storage, places, buckets, blob, header["k"], header["p"])
 
 
 def receive_buffers(decoded: Decoded, device: torch.device) -> list[torch.Tensor]:

@@ -110,7 +110,7 @@ def _messages(marker: str) -> list[tuple[str, int, bytes]]:
     evil = pickle.dumps(Evil(marker), protocol=2)
     bad_pid = __import__("io").BytesIO()
     _BadPid(bad_pid, protocol=2).dump({"x": Evil(marker)})
-    empty = {"s": len(evil), "d": [], "b": [], "t": [], "k": 1}
+    empty = {"s": len(evil), "d": [], "b": [], "t": [], "k": 1, "p": 0}
     oob = _skeleton_with_pid(("storage", 3))  # no entries travelled
     next_oob = _skeleton_with_pid(("storage",))  # the next tensor, of none
     typed = _skeleton_with_pid(("storage", "s", 0, "float32"))
@@ -386,7 +386,7 @@ def test_absurd_lengths_raise_pdist_errors(path):
 def _layouts() -> list[tuple[str, bytes, int | None, str]]:
     """``(name, body, bucket bytes the attacker then sends or None, expected text)``."""
     skeleton = pickle.dumps({"x": 1}, protocol=2)
-    base = {"s": len(skeleton), "d": ["float32"], "b": [], "t": [], "k": 1}
+    base = {"s": len(skeleton), "d": ["float32"], "b": [], "t": [], "k": 1, "p": 0}
 
     def body(header: dict, count: int | None = None) -> bytes:
         n = len(header["b"]) if count is None else count
@@ -415,7 +415,13 @@ def _layouts() -> list[tuple[str, bytes, int | None, str]]:
             "a field pdist does not write",
             body({**base, "b": [["cpu", 4]], "t": [[0, 0, 0, 0, [1]]], "z": 1}),
             None,
-            "does not have the fields s, d, b, t, k",
+            "does not have the fields s, d, b, t, k, p",
+        ),
+        (
+            "a part past the parts",
+            body({**base, "b": [["cpu", 64]], "t": [[0, 0, 0, 0, [1]]], "k": 2, "p": 2}),
+            None,
+            "split 2 part 2",
         ),
         (
             "overlapping places",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import pickle
 import tempfile
@@ -337,6 +338,29 @@ def test_tensor_dict_send_allgather(ctx):
     else:
         d = pdist.recv_tensor_dict(ctx, src=ctx.rank - 2, all_gather_group=tp)
         _check_dict(d, 9)
+
+
+@world_sizes(4)
+def test_tensor_dict_send_allgather_without_buckets_and_crossed(ctx):
+    """A dict without buckets travels whole; crossed pairs (0 -> 3, 1 -> 2) raise on all four."""
+    tp = pdist.new_tp_group(ctx, 2)
+    plain = {"step": 3, "small": torch.arange(4.0)}  # inline: no bucket to split
+    if ctx.rank < 2:
+        pdist.send_tensor_dict(ctx, plain, dst=ctx.rank + 2, all_gather_group=tp)
+        pdist.send_tensor_dict(ctx, {}, dst=ctx.rank + 2, all_gather_group=tp)
+    else:
+        got = pdist.recv_tensor_dict(ctx, src=ctx.rank - 2, all_gather_group=tp)
+        assert got["step"] == 3
+        assert torch.equal(got["small"], torch.arange(4.0))
+        assert pdist.recv_tensor_dict(ctx, src=ctx.rank - 2, all_gather_group=tp) == {}
+    crossed = (
+        functools.partial(pdist.send_tensor_dict, ctx, _tensor_dict(9), dst=3 - ctx.rank)
+        if ctx.rank < 2
+        else functools.partial(pdist.recv_tensor_dict, ctx, src=3 - ctx.rank)
+    )
+    with pytest.raises(pdist.PdistError, match="pair each sender with the receiver at its own"):
+        crossed(all_gather_group=tp)
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == 4.0
 
 
 class Holder:
