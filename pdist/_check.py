@@ -26,7 +26,7 @@ from ._agree import check_same, status
 from ._errors import PdistError
 from ._group import Group
 
-__all__ = ["HINT", "agree_args", "agree_call", "describe", "enabled", "explaining"]
+__all__ = ["HINT", "agree_args", "agree_call", "checking", "describe", "enabled", "explaining"]
 
 _MISMATCH = ("mismatch", "does not match", "doesn't match")  # the backends' words
 
@@ -89,6 +89,20 @@ def agree_args(
         if not status(group, error, what=f"{name} (check mode)", summary=summary):
             # The summaries travel, only now.
             check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
+
+
+@contextlib.contextmanager
+def checking(group: Group, name: str, x: object) -> Iterator[None]:
+    """This rank's argument checks of collective ``name``; in check mode a failure raises on all.
+
+    The failing rank joins the agreement its peers wait in (:func:`agree_args`), so that
+    they raise its error too, instead of pairing that agreement with its next call.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        agree_args(group, name, describe(x), exc)
+        raise
 
 
 @contextlib.contextmanager

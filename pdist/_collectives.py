@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from . import _check, _launches, _rooted, _uneven
-from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
 
@@ -38,31 +37,6 @@ __all__ = [
 
 _GRAD_OPS = ("sum", "mean")  # the differentiable reductions
 
-# A graph compiled after its distributed() block exited has no process group to
-# call; it gets this op instead, which raises pdist's own error when the graph
-# runs. Raising while dynamo traces would surface as dynamo's "Observed
-# exception" under fullgraph=True, with pdist's message buried in it.
-_CLOSED_MESSAGE = (
-    "this pdist context is closed: its process groups were destroyed when the "
-    "`with pdist.distributed()` block exited, and a function compiled with torch.compile "
-    "ran a collective on them afterwards; call compiled functions only inside the block"
-)
-_library: Any = torch.library  # its Library API is untyped
-_LIB = _library.Library("pdist", "FRAGMENT")
-_LIB.define("closed_group(Tensor x, SymInt[] shape, str message) -> Tensor")
-
-
-def _closed_group_kernel(x: torch.Tensor, shape: list[int], message: str) -> torch.Tensor:
-    raise PdistError(message)
-
-
-def _closed_group_fake(x: torch.Tensor, shape: list[int], message: str) -> torch.Tensor:
-    return x.new_empty(shape)
-
-
-_LIB.impl("closed_group", _closed_group_kernel, "CompositeExplicitAutograd")
-torch.library.register_fake("pdist::closed_group", _closed_group_fake, lib=_LIB)
-
 
 def _check_tensor(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -77,6 +51,9 @@ def _check_op(x: torch.Tensor, op: str, allowed: tuple[str, ...] = tuple(_launch
         raise ValueError(msg)
     if op == "mean" and not (x.is_floating_point() or x.is_complex()):
         msg = f"op='mean' needs a floating-point tensor, got dtype {x.dtype}; use op='sum'"
+        raise TypeError(msg)
+    if op in ("max", "min") and x.is_complex():
+        msg = f"op={op!r} needs a real tensor (complex numbers have no order), got {x.dtype}"
         raise TypeError(msg)
     return op
 
@@ -180,10 +157,6 @@ _SPECS: dict[str, _Spec] = {
 }
 
 
-def _closed(group: Group, x: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    return cast("torch.Tensor", torch.ops.pdist.closed_group(x.detach(), shape, _CLOSED_MESSAGE))
-
-
 def _forward(
     name: str, g: Group, x: torch.Tensor, args: tuple[Any, ...], async_op: bool = False
 ) -> torch.Tensor:
@@ -220,16 +193,21 @@ def _collective(
     name: str, group: Group | DistContext, x: torch.Tensor, *options: Any, async_op: bool = False
 ) -> torch.Tensor:
     spec, g = _SPECS[name], as_group(group)
-    args = spec.check(g, _check_tensor(x), *options)
-    if not isinstance(async_op, bool):
-        msg = f"async_op={async_op!r} must be True or False"
-        raise TypeError(msg)
+    try:
+        args = spec.check(g, _check_tensor(x), *options)
+        if not isinstance(async_op, bool):
+            msg = f"async_op={async_op!r} must be True or False"
+            raise TypeError(msg)
+    except (TypeError, ValueError) as exc:
+        if spec.launch is not None:  # (shard is local: it agrees on nothing)
+            _check.agree_args(g, name, _check.describe(x), exc)
+        raise
     if g.world_size == 1:
         return x
     if spec.launch is not None:
         _check.agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
-        return _closed(g, x, spec.shape(g, x, *args))
+        return _launches.traced_closed(x, spec.shape(g, x, *args))
     if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
         return cast("torch.Tensor", _Collective.apply(name, g, x, args, async_op))  # type: ignore[no-untyped-call]
     return _forward(name, g, x.detach() if x.requires_grad else x, args, async_op)
@@ -263,8 +241,9 @@ def _in_place(
     if group.world_size == 1:
         return x
     if torch.compiler.is_compiling():
+        closed = group.is_closed
         return x.copy_(
-            _closed(group, x, list(x.shape)) if group.is_closed else traced(group, x, *args)
+            _launches.traced_closed(x, list(x.shape)) if closed else traced(group, x, *args)
         )
     buf = _launches.local(x)
     target = buf.contiguous()  # buf itself if contiguous
@@ -298,8 +277,8 @@ def all_reduce(
     Args:
         group: The group (a ``DistContext`` means its ``world``).
         x: This rank's tensor; left unchanged (:func:`all_reduce_` saves the clone).
-        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``; the
-            first two are differentiable. Mind that :func:`reduce` defaults to ``"mean"``.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` (real dtypes) or ``"product"``;
+            the first two are differentiable. Mind that :func:`reduce` defaults to ``"mean"``.
         async_op: Return at once a tensor that waits on first use (torch's
             ``AsyncCollectiveTensor``); use it inside the ``distributed()`` block.
 
@@ -319,8 +298,9 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
         ValueError: ``x`` requires grad while gradients are enabled (use :func:`all_reduce`).
     """
     g = as_group(group)
-    _check_op(_check_tensor(x), op)
-    _refuse_grad(g, x, "all_reduce_", "all_reduce")
+    with _check.checking(g, "all_reduce_", x):
+        _check_op(_check_tensor(x), op)
+        _refuse_grad(g, x, "all_reduce_", "all_reduce")
     _check.agree_call(g, "all_reduce_", x, op=op)
     return _in_place(g, x, _launches.all_reduce_into, _launches.traced_all_reduce, op)
 
@@ -352,7 +332,9 @@ def all_gather(
     """
     if sizes is not None:
         g = as_group(group)
-        return _uneven.all_gather_sizes(g, x, _norm_dim(_check_tensor(x), dim), sizes)
+        with _check.checking(g, "all_gather", x):
+            d = _norm_dim(_check_tensor(x), dim)
+        return _uneven.all_gather_sizes(g, x, d, sizes)
     return _collective("all_gather", group, x, dim, async_op=async_op)
 
 
@@ -366,7 +348,8 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
         A *list*, one tensor per rank (:func:`all_gather` returns their concatenation).
     """
     g = as_group(group)
-    _check_tensor(x)
+    with _check.checking(g, "all_gather_tensor", x):
+        _check_tensor(x)
     if g.world_size == 1:
         return [x]
     _check.agree_call(g, "all_gather_tensor", x)
@@ -407,8 +390,10 @@ def reduce_scatter(
             the wrong length or sum.
     """
     if sizes is not None:
-        g, d = as_group(group), _norm_dim(_check_tensor(x), dim)
-        return _uneven.reduce_scatter_sizes(g, x, _check_op(x, op), d, sizes)
+        g = as_group(group)
+        with _check.checking(g, "reduce_scatter", x):
+            d, op = _norm_dim(_check_tensor(x), dim), _check_op(x, op)
+        return _uneven.reduce_scatter_sizes(g, x, op, d, sizes)
     return _collective("reduce_scatter", group, x, op, dim, async_op=async_op)
 
 
@@ -424,9 +409,10 @@ def gather(
         The concatenation on ``dst``, None on the other ranks.
     """
     g = as_group(group)
-    _check_tensor(x)
-    g.global_rank(dst, name="dst")
-    d = _norm_dim(x, dim)
+    with _check.checking(g, "gather", x):
+        _check_tensor(x)
+        g.global_rank(dst, name="dst")
+        d = _norm_dim(x, dim)
     if g.world_size == 1:
         return x
     _check.agree_call(g, "gather", x, dst=dst, dim=d)
@@ -451,8 +437,9 @@ def reduce(
         The reduction on ``dst``, None on the other ranks.
     """
     g = as_group(group)
-    _check_op(_check_tensor(x), op, ("sum", "mean"))
-    g.global_rank(dst, name="dst")
+    with _check.checking(g, "reduce", x):
+        _check_op(_check_tensor(x), op, ("sum", "mean"))
+        g.global_rank(dst, name="dst")
     if g.world_size == 1:
         return x
     _check.agree_call(g, "reduce", x, dst=dst, op=op)
@@ -474,11 +461,12 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
         ValueError: ``x`` is not contiguous (:func:`broadcast_` takes any layout).
     """
     g = as_group(group)
-    _check_tensor(x)
-    g.global_rank(src)
-    if g.world_size > 1 and not x.is_contiguous():
-        msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
-        raise ValueError(msg)
+    with _check.checking(g, "broadcast", x):
+        _check_tensor(x)
+        g.global_rank(src)
+        if g.world_size > 1 and not x.is_contiguous():
+            msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
+            raise ValueError(msg)
     _check.agree_call(g, "broadcast", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
@@ -493,9 +481,10 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
         ValueError: ``x`` requires grad while gradients are enabled.
     """
     g = as_group(group)
-    _check_tensor(x)
-    g.global_rank(src)
-    _refuse_grad(g, x, "broadcast_", "broadcast")
+    with _check.checking(g, "broadcast_", x):
+        _check_tensor(x)
+        g.global_rank(src)
+        _refuse_grad(g, x, "broadcast_", "broadcast")
     _check.agree_call(g, "broadcast_", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 

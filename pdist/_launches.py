@@ -18,6 +18,7 @@ from torch.distributed import ReduceOp
 
 from . import _compat, _rooted
 from ._compat import all_gather_into
+from ._errors import PdistError
 from ._group import Group
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "traced_all_reduce",
     "traced_all_to_all",
     "traced_broadcast",
+    "traced_closed",
     "traced_reduce_scatter",
 ]
 
@@ -242,3 +244,34 @@ def traced_all_to_all(group: Group, x: torch.Tensor, scatter: int, gather: int) 
     out = ops.wait_tensor(ops.all_to_all_single(_chunks(x, scatter, p), [1] * p, [1] * p, name))
     out = out.movedim(0, gather).flatten(gather, gather + 1)  # a view for gather 0, as eagerly
     return cast("torch.Tensor", out)
+
+
+# A graph compiled after its distributed() block exited has no process group to
+# call; it gets this op instead, which raises pdist's own error when the graph
+# runs. Raising while dynamo traces would surface as dynamo's "Observed
+# exception" under fullgraph=True, with pdist's message buried in it.
+_CLOSED_MESSAGE = (
+    "this pdist context is closed: its process groups were destroyed when the "
+    "`with pdist.distributed()` block exited, and a function compiled with torch.compile "
+    "ran a collective on them afterwards; call compiled functions only inside the block"
+)
+_library: Any = torch.library  # its Library API is untyped
+_LIB = _library.Library("pdist", "FRAGMENT")
+_LIB.define("closed_group(Tensor x, SymInt[] shape, str message) -> Tensor")
+
+
+def _closed_group_kernel(x: torch.Tensor, shape: list[int], message: str) -> torch.Tensor:
+    raise PdistError(message)
+
+
+def _closed_group_fake(x: torch.Tensor, shape: list[int], message: str) -> torch.Tensor:
+    return x.new_empty(shape)
+
+
+_LIB.impl("closed_group", _closed_group_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("pdist::closed_group", _closed_group_fake, lib=_LIB)
+
+
+def traced_closed(x: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """The op a graph traced after its block exited calls instead of a collective (it raises)."""
+    return cast("torch.Tensor", torch.ops.pdist.closed_group(x.detach(), shape, _CLOSED_MESSAGE))

@@ -61,9 +61,9 @@ def _record_width(num_experts: object, p: int) -> int:
     that disagree on ``num_experts`` would send different sizes, and the exchange
     itself would hang or abort rather than fail together. Rounded up to a power of
     two of at least 16 counts, the width is the same for every ``num_experts`` that
-    gives at most 16 experts per rank (and for any two within a factor of 2 above
-    that), so ``num_experts`` travels in the record and a difference is seen by
-    every rank.
+    gives at most 16 experts per rank (and for any two whose experts per rank round
+    up to the same power of two above that: 33-64, 65-128, ...), so ``num_experts``
+    travels in the record and a difference is seen by every rank.
     """
     local = 0
     if isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts > 0:
@@ -142,10 +142,11 @@ def moe_dispatch(
         range, wrong shapes, ``num_experts`` not a multiple of the group size)
         makes every rank raise it, naming the rank, and so does a different
         ``num_experts`` (it travels in the counts record; its width is the same
-        for every ``num_experts`` with at most 16 experts per rank, or within a
-        factor of 2 above that). The hidden size is the caller's to keep equal:
-        check mode (``distributed(check=True)`` or ``PDIST_CHECK=1``) compares
-        it, the dtype and ``num_experts`` first, on every rank.
+        for every ``num_experts`` with at most 16 experts per rank, or whose
+        experts per rank round up to the same power of two). The hidden size is
+        the caller's to keep equal: check mode (``distributed(check=True)`` or
+        ``PDIST_CHECK=1``) compares it, the dtype and ``num_experts`` first, on
+        every rank.
 
     Args:
         group: The expert-parallel group (a context means its world).

@@ -320,6 +320,6 @@ def reduce_scatter_sizes(
         out = stacked.amax(0)
     elif op == "min":
         out = stacked.amin(0)
-    else:
-        out = stacked.prod(0)
+    else:  # the product in x's dtype, as the even path's (a bool product is "all")
+        out = stacked.all(0) if stacked.dtype == torch.bool else stacked.prod(0, dtype=x.dtype)
     return out.movedim(0, dim)

@@ -173,3 +173,48 @@ def test_uneven_and_expert_paths_are_checked_on_every_rank():
         for name, message, seconds in seen:
             assert re.search(EXPECTED[name], message), (name, message)
             assert seconds < 10, (name, seconds)
+
+
+def _local_errors() -> list[tuple[str, str, float]]:
+    """Rank 1 passes an argument its own checks refuse: (case, error, seconds) on this rank."""
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed(check=True) as ctx:
+        one = ctx.rank == 1
+        ints = torch.ones(6, 2, dtype=torch.int64 if one else torch.float32)
+        x = torch.ones(2, 3)
+        cases = {
+            "all_reduce": lambda: pdist.all_reduce(ctx, ints, op="mean"),
+            "reduce_scatter": lambda: pdist.reduce_scatter(
+                ctx, ints, dim=0, op="mean", sizes=[2, 2, 2]
+            ),
+            "all_gather": lambda: pdist.all_gather(
+                ctx, torch.ones(3) if one else x, dim=1, sizes=[3, 3, 3]
+            ),
+            "broadcast": lambda: pdist.broadcast(ctx, x.t() if one else x.t().contiguous()),
+            "gather": lambda: pdist.gather(ctx, x, dst=5 if one else 0),
+            "reduce": lambda: pdist.reduce(ctx, x, op="max" if one else "sum"),
+        }
+        seen = []
+        for name, call in cases.items():
+            start = time.monotonic()
+            with pytest.raises((TypeError, ValueError)) as info:
+                call()
+            seen.append((name, str(info.value), time.monotonic() - start))
+        pdist.barrier(ctx)  # the group is still usable
+        return seen
+
+
+def test_a_rank_whose_own_checks_fail_makes_every_rank_raise_in_check_mode():
+    """In check mode an argument error on one rank joins the agreement: all raise it, then go on."""
+    for seen in spawn(_local_errors, 3, timeout=120):
+        assert [name for name, _, _ in seen] == [
+            "all_reduce",
+            "reduce_scatter",
+            "all_gather",
+            "broadcast",
+            "gather",
+            "reduce",
+        ]
+        for name, message, seconds in seen:
+            assert f"{name} (check mode) on group 'world' failed on rank 1" in message, message
+            assert seconds < 10, (name, seconds)

@@ -133,6 +133,31 @@ def test_uneven_all_gather_and_reduce_scatter(ctx):
 
 
 @world_sizes(3)
+def test_uneven_reduce_scatter_keeps_the_dtype_and_refuses_complex_order(ctx):
+    """product, max and min of int8 and bool keep their dtype, as the even path; complex: none."""
+    r, sizes = ctx.rank, [2, 0, 3]
+    for dtype in (torch.int8, torch.bool):
+        inputs = [torch.tensor([1, 2, 1, 0, 3]).add(i % 2).to(dtype) for i in range(3)]
+        stacked = torch.stack(inputs)
+        references = {
+            "product": stacked.all(0) if dtype == torch.bool else stacked.prod(0, dtype=dtype),
+            "max": stacked.amax(0),
+            "min": stacked.amin(0),
+        }
+        for op, full in references.items():
+            got = pdist.reduce_scatter(ctx, inputs[r], dim=0, op=op, sizes=sizes)
+            assert got.dtype == dtype
+            assert torch.equal(got, full.split(sizes)[r]), (dtype, op)
+    z = torch.ones(5, dtype=torch.complex64)
+    for op in ("max", "min"):
+        with pytest.raises(TypeError, match="needs a real tensor"):
+            pdist.reduce_scatter(ctx, z, dim=0, op=op, sizes=sizes)
+        with pytest.raises(TypeError, match="needs a real tensor"):
+            pdist.all_reduce(ctx, z, op=op)
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == 3.0
+
+
+@world_sizes(3)
 def test_all_to_all_compiles_without_graph_breaks(ctx):
     """Given both counts as ints, all_to_all and uneven gathers compile under fullgraph=True."""
     r, p = ctx.rank, ctx.world_size
