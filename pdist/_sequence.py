@@ -25,6 +25,8 @@ from ._uneven import exchange, rows
 
 __all__ = ["ulysses_attention"]
 
+_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+
 
 def _layout_dims(layout: object) -> tuple[int, int, int, int]:
     if not isinstance(layout, str) or sorted(layout) != sorted("bshd"):
@@ -68,7 +70,7 @@ class _Plan(NamedTuple):
 def _check(
     layout: str, dims: tuple[int, int, int, int], q: object, k: object, v: object
 ) -> tuple[int, ...]:
-    """This rank's record (chunk length, heads, k/v heads, batch, q/k and v head sizes)."""
+    """This rank's record (chunk length, heads, k/v heads, batch, q/k and v head sizes, dtype)."""
     h, s, b, d = dims
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -100,7 +102,8 @@ def _check(
             "do not divide (grouped-query attention)"
         )
         raise ValueError(msg)
-    return (q.shape[s], q.shape[h], k.shape[h], q.shape[b], q.shape[d], v.shape[d])
+    dtype = _DTYPES.index(q.dtype)
+    return (q.shape[s], q.shape[h], k.shape[h], q.shape[b], q.shape[d], v.shape[d], dtype)
 
 
 def _plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) -> _Plan:
@@ -116,17 +119,23 @@ def _plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) 
     except ValueError as e:
         error = e
     got = exchange(
-        g, None if error else [record] * g.world_size, error, width=6, what="ulysses_attention"
+        g, None if error else [record] * g.world_size, error, width=7, what="ulysses_attention"
     )
     shapes = {tuple(r[1:]) for r in got}
     if len(shapes) > 1:
-        listed = "; ".join(f"rank {g.ranks[j]}: {tuple(r[1:])}" for j, r in enumerate(got))
+        listed = "; ".join(
+            f"rank {g.ranks[j]}: {tuple(r[1:6])} {_dtype_name(r[6])}" for j, r in enumerate(got)
+        )
         msg = (
             "ulysses_attention: ranks passed different (heads, k/v heads, batch, q/k head "
-            f"size, v head size): {listed}"
+            f"size, v head size) or dtypes: {listed}"
         )
         raise RankMismatchError(msg)
     return _plan_from(g, got)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "?"
 
 
 def _plan_from(g: Group, got: list[list[int]]) -> _Plan:

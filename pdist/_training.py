@@ -64,7 +64,10 @@ def _enclosing_ddp(model: nn.Module) -> nn.Module | None:
     for obj in gc.get_objects():
         # The MRO, not isinstance: DDP is an ABC (Joinable), and isinstance on arbitrary
         # objects would run their __class__ properties and subclass hooks.
-        if ddp_type in type(obj).__mro__ and any(m is model for m in obj.module.modules()):
+        if ddp_type not in type(obj).__mro__:
+            continue
+        inner = getattr(obj, "module", None)  # absent from a DDP whose __init__ raised
+        if isinstance(inner, nn.Module) and any(m is model for m in inner.modules()):
             found = obj
             break
     _link([model], found)
@@ -123,7 +126,7 @@ def _set_fsdp(module: Any, enabled: bool, defer_reduce_scatter: bool) -> Any:
         for g, (reduce, all_reduce) in zip(groups, olds, strict=True):
             g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
 
-    if defer_reduce_scatter:
+    if enabled or defer_reduce_scatter:  # on: both steps, whatever an outer block turned off
         module.set_requires_gradient_sync(enabled, recurse=False)
     else:
         module.set_requires_all_reduce(enabled, recurse=False)
@@ -140,7 +143,12 @@ def grad_sync(
     FSDP2 defers only HSDP's cross-replica all-reduce, so gradients stay sharded,
     unless ``defer_reduce_scatter=True``. ``enabled=False`` on the wrong module
     (a DDP's ``.module``, an FSDP submodule) warns. On exit every module gets
-    back exactly its own flags, also when the block raises.
+    back exactly its own flags, also when the block raises. Blocks nest: an inner
+    ``enabled=True`` turns the whole synchronization on again.
+
+    Note:
+        Every rank must pass the same ``enabled`` for the same backward: a rank that
+        syncs while another skips pairs its all-reduce with that rank's next one.
 
     Example::
 

@@ -133,7 +133,10 @@ def _accumulate(defer_reduce_scatter):
                 for g in param_groups(layer)
                 for p in g.fsdp_params
             ]
+            with pdist.grad_sync(model, enabled=True):  # nested: syncs in full again
+                nested = _flags(model)
         after = _flags(model)
+        assert nested == after == [(True, True)] * 3
         _loss(model, second).backward()
         got = [_full(p.grad) for p in model.parameters()]
 

@@ -113,6 +113,9 @@ def test_ulysses_attention_mismatch_raises_on_every_rank(ctx):
         ValueError, match=r"failed on rank 2: .*q has 3 heads, which its 2 k/v heads"
     ):
         sdpa(y, k, k)
+    z = y.double() if ctx.rank == 0 else y  # a dtype the exchange compares too
+    with pytest.raises(pdist.RankMismatchError, match=r"rank 0: \(3, 3, 1, 2, 2\) float64"):
+        sdpa(z, z, z)
     pdist.barrier(ctx)
 
 

@@ -172,6 +172,19 @@ def test_wrap_ddp_on_one_rank_returns_the_wrapper(ctx):
     del ddp
 
 
+@world_sizes(1)
+def test_grad_sync_survives_a_ddp_whose_init_failed(ctx):
+    """A half-built DDP (torch refused a frozen model) kept alive by its exception is skipped."""
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(RuntimeError) as kept:  # the exception holds the half-built wrapper
+        pdist.wrap_ddp(ctx, frozen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pdist.grad_sync(nn.Linear(2, 2), enabled=False):
+            pass
+    del kept
+
+
 def test_wrap_ddp_refuses_process_group_and_device_ids():
     """The group comes from the context (or group=); passing torch's arguments is a TypeError."""
     for name in ("process_group", "device_ids"):
