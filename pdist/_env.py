@@ -499,7 +499,7 @@ def resolve_layout(
     given = {
         n: v
         for n, v in (("tp", tp), ("sp", sp), ("cp", cp), ("pp", pp))
-        if isinstance(v, bool) or v != 1
+        if type(v) is not int or v != 1
     }
     if given:
         shown = ", ".join(f"{n}={v!r}" for n, v in given.items())

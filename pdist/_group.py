@@ -339,10 +339,17 @@ class DistContext:
 
 
 def as_group(group: Group | DistContext, *, name: str = "group") -> Group:
-    """The group a collective runs on: a ``Group`` itself, or a context's ``world``."""
-    if isinstance(group, Group):
-        return group
+    """The group a collective runs on: a ``Group`` itself, or a context's ``world``.
+
+    Raises :class:`~pdist.PdistError` once its block has exited, a one-rank group's too
+    (no process group would tell), except while torch.compile traces: a graph compiled
+    then gets the op that raises when it runs.
+    """
     if isinstance(group, DistContext):
-        return group.world
-    msg = f"{name}={group!r} must be a pdist Group or DistContext"
-    raise TypeError(msg)
+        group = group.world
+    elif not isinstance(group, Group):
+        msg = f"{name}={group!r} must be a pdist Group or DistContext"
+        raise TypeError(msg)
+    if group.is_closed and not torch.compiler.is_compiling():
+        group.lifetime.check_open()
+    return group

@@ -241,7 +241,7 @@ def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) ->
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
     label = name if isinstance(name, str) and name else default
-    _agree.check_same(ctx.world, f"new group {label!r}", f"size={size!r}", error)
+    _agree.check_same(ctx.world, f"new group {label!r}", f"size={size!r}, name={name!r}", error)
     timeout = _subgroup_timeout(ctx)
     group = build_partition(ctx.world, label, blocks, timeout=timeout, named=True)
     return _require(group, label)
@@ -359,7 +359,7 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
         blocks, error = _check_rank_lists(rank_lists, ctx.world_size), None
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
-    _agree.check_same(ctx.world, f"new_group(name={name!r})", repr(blocks), error)
+    _agree.check_same(ctx.world, f"new_group(name={name!r})", f"{blocks!r}, name={name!r}", error)
     return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx), named=True)
 
 

@@ -95,6 +95,31 @@ def test_closed_context_raises_and_keeps_no_group():
         assert "distributed()" in message
 
 
+def _closed_one_rank() -> list[str]:
+    with pdist.distributed() as ctx:
+        pass
+    calls = {
+        "all_reduce": lambda: pdist.all_reduce(ctx, torch.ones(2)),
+        "all_gather": lambda: pdist.all_gather(ctx.tp, torch.ones(2)),
+        "broadcast_object": lambda: pdist.broadcast_object(ctx, 1),
+        "all_gather_object": lambda: pdist.all_gather_object(ctx.world, 1),
+        "barrier": lambda: pdist.barrier(ctx),
+    }
+    seen = []
+    for name, call in calls.items():
+        with pytest.raises(pdist.PdistError, match="context is closed"):
+            call()
+        seen.append(name)
+    return seen
+
+
+def test_a_closed_one_rank_group_raises_too():
+    """A one-rank group reaches no process group, yet after exit it raises like any other."""
+    assert spawn(_closed_one_rank, 1, timeout=60) == [
+        ["all_reduce", "all_gather", "broadcast_object", "all_gather_object", "barrier"]
+    ]
+
+
 def _raise_inside() -> bool:
     with pytest.raises(KeyError, match="boom"), pdist.distributed():
         raise KeyError("boom")

@@ -317,6 +317,7 @@ BAD = [
     (4, {"axes": {"dp": -1, "sp": -1}}, ValueError, r"2 sizes of -1 \('dp', 'sp'\)"),
     (4, {"axes": {"dp": -1}, "tp": 2}, ValueError, r"axes= excludes .* tp=2"),
     (4, {"axes": {"dp": -1}, "pp": 2}, ValueError, r"axes= excludes .* pp=2"),
+    (4, {"axes": {"dp": -1}, "tp": 1.0}, ValueError, r"axes= excludes .* tp=1.0"),
     (4, {"axes": {"dp": 2, "ep": 2}}, ValueError, r"'ep' is a group every context derives"),
     (4, {"axes": {"world": 4}}, ValueError, r"'world' is a group every context derives"),
     (4, {"axes": {"dp_sp": 4}}, ValueError, r"'dp_sp' is a group"),

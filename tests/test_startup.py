@@ -525,3 +525,14 @@ def test_a_second_name_over_the_world_carries_traffic_beside_it(ctx):
         t.join(timeout=60)
     assert got["world"] == [float(i) for i in range(40)]
     assert got["second"] == [1000.0 + i for i in range(40)]
+
+
+@world_sizes(2)
+def test_ranks_that_name_a_group_differently_raise_on_every_rank(ctx):
+    """The name is compared with the ranks: a name per rank would split one cache in two."""
+    name = f"n{ctx.rank}"
+    with pytest.raises(pdist.RankMismatchError, match=r"ranks \[0\]: \(\(0, 1\),\), name='n0'"):
+        pdist.new_group(ctx, [[0, 1]], name=name)
+    with pytest.raises(pdist.RankMismatchError, match=r"ranks \[1\]: size=2, name='n1'"):
+        pdist.new_tp_group(ctx, 2, name=name)
+    pdist.barrier(ctx)
