@@ -17,7 +17,8 @@ checked against 0.9 ms, 1 MiB 3.2 against 1.8 ms; about 2x for small calls).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from ._agree import check_same, status
 from ._errors import PdistError
 from ._group import Group
 
-__all__ = ["HINT", "agree_args", "agree_call", "checking", "describe", "enabled", "explaining"]
+__all__ = ["HINT", "agree_args", "agree_call", "checked", "describe", "enabled", "explaining"]
 
 _MISMATCH = ("mismatch", "does not match", "doesn't match")  # the backends' words
 
@@ -91,15 +92,15 @@ def agree_args(
             check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
 
 
-@contextlib.contextmanager
-def checking(group: Group, name: str, x: object) -> Iterator[None]:
-    """This rank's argument checks of collective ``name``; in check mode a failure raises on all.
+def checked(group: Group, name: str, x: object, *checks: Callable[[], Any]) -> list[Any]:
+    """This rank's argument ``checks`` of collective ``name``, run: their results, in order.
 
-    The failing rank joins the agreement its peers wait in (:func:`agree_args`), so that
-    they raise its error too, instead of pairing that agreement with its next call.
+    In check mode a failing rank joins the agreement its peers wait in (:func:`agree_args`),
+    so that they raise its error too, instead of pairing that agreement with its next
+    call. (Callables, not a ``with`` block: torch.compile before 2.7 cannot trace one.)
     """
     try:
-        yield
+        return [check() for check in checks]
     except (TypeError, ValueError) as exc:
         agree_args(group, name, describe(x), exc)
         raise

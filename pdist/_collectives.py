@@ -8,6 +8,7 @@ wanted, then run the traced form or the eager launch (``_launches``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -88,6 +89,12 @@ def _check_all_to_all(g: Group, x: torch.Tensor, scatter: int, gather: int) -> t
         msg = f"scatter_dim={scatter} and gather_dim={gather} must differ"
         raise ValueError(msg)
     return _split_dim(g, x, s, "all_to_all_4d scatter_dim"), d
+
+
+def _contiguous(group: Group, x: torch.Tensor) -> None:
+    if group.world_size > 1 and not x.is_contiguous():
+        msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
+        raise ValueError(msg)
 
 
 def _refuse_grad(group: Group, x: torch.Tensor, name: str, use: str) -> None:
@@ -298,9 +305,8 @@ def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum")
         ValueError: ``x`` requires grad while gradients are enabled (use :func:`all_reduce`).
     """
     g = as_group(group)
-    with _check.checking(g, "all_reduce_", x):
-        _check_op(_check_tensor(x), op)
-        _refuse_grad(g, x, "all_reduce_", "all_reduce")
+    refuse = functools.partial(_refuse_grad, g, x, "all_reduce_", "all_reduce")
+    _check.checked(g, "all_reduce_", x, lambda: _check_op(_check_tensor(x), op), refuse)
     _check.agree_call(g, "all_reduce_", x, op=op)
     return _in_place(g, x, _launches.all_reduce_into, _launches.traced_all_reduce, op)
 
@@ -332,8 +338,7 @@ def all_gather(
     """
     if sizes is not None:
         g = as_group(group)
-        with _check.checking(g, "all_gather", x):
-            d = _norm_dim(_check_tensor(x), dim)
+        (d,) = _check.checked(g, "all_gather", x, lambda: _norm_dim(_check_tensor(x), dim))
         return _uneven.all_gather_sizes(g, x, d, sizes)
     return _collective("all_gather", group, x, dim, async_op=async_op)
 
@@ -348,8 +353,7 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
         A *list*, one tensor per rank (:func:`all_gather` returns their concatenation).
     """
     g = as_group(group)
-    with _check.checking(g, "all_gather_tensor", x):
-        _check_tensor(x)
+    _check.checked(g, "all_gather_tensor", x, lambda: _check_tensor(x))
     if g.world_size == 1:
         return [x]
     _check.agree_call(g, "all_gather_tensor", x)
@@ -391,8 +395,10 @@ def reduce_scatter(
     """
     if sizes is not None:
         g = as_group(group)
-        with _check.checking(g, "reduce_scatter", x):
-            d, op = _norm_dim(_check_tensor(x), dim), _check_op(x, op)
+        norm = functools.partial(_norm_dim, x, dim)
+        _, d, op = _check.checked(
+            g, "reduce_scatter", x, lambda: _check_tensor(x), norm, lambda: _check_op(x, op)
+        )
         return _uneven.reduce_scatter_sizes(g, x, op, d, sizes)
     return _collective("reduce_scatter", group, x, op, dim, async_op=async_op)
 
@@ -409,10 +415,14 @@ def gather(
         The concatenation on ``dst``, None on the other ranks.
     """
     g = as_group(group)
-    with _check.checking(g, "gather", x):
-        _check_tensor(x)
-        g.global_rank(dst, name="dst")
-        d = _norm_dim(x, dim)
+    _, _, d = _check.checked(
+        g,
+        "gather",
+        x,
+        lambda: _check_tensor(x),
+        lambda: g.global_rank(dst, name="dst"),
+        lambda: _norm_dim(x, dim),
+    )
     if g.world_size == 1:
         return x
     _check.agree_call(g, "gather", x, dst=dst, dim=d)
@@ -437,9 +447,13 @@ def reduce(
         The reduction on ``dst``, None on the other ranks.
     """
     g = as_group(group)
-    with _check.checking(g, "reduce", x):
-        _check_op(_check_tensor(x), op, ("sum", "mean"))
-        g.global_rank(dst, name="dst")
+    _check.checked(
+        g,
+        "reduce",
+        x,
+        lambda: _check_op(_check_tensor(x), op, ("sum", "mean")),
+        lambda: g.global_rank(dst, name="dst"),
+    )
     if g.world_size == 1:
         return x
     _check.agree_call(g, "reduce", x, dst=dst, op=op)
@@ -461,12 +475,14 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
         ValueError: ``x`` is not contiguous (:func:`broadcast_` takes any layout).
     """
     g = as_group(group)
-    with _check.checking(g, "broadcast", x):
-        _check_tensor(x)
-        g.global_rank(src)
-        if g.world_size > 1 and not x.is_contiguous():
-            msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
-            raise ValueError(msg)
+    _check.checked(
+        g,
+        "broadcast",
+        x,
+        lambda: _check_tensor(x),
+        lambda: g.global_rank(src),
+        lambda: _contiguous(g, x),
+    )
     _check.agree_call(g, "broadcast", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
@@ -481,10 +497,8 @@ def broadcast_(group: Group | DistContext, x: torch.Tensor, *, src: int = 0) -> 
         ValueError: ``x`` requires grad while gradients are enabled.
     """
     g = as_group(group)
-    with _check.checking(g, "broadcast_", x):
-        _check_tensor(x)
-        g.global_rank(src)
-        _refuse_grad(g, x, "broadcast_", "broadcast")
+    refuse = functools.partial(_refuse_grad, g, x, "broadcast_", "broadcast")
+    _check.checked(g, "broadcast_", x, lambda: _check_tensor(x), lambda: g.global_rank(src), refuse)
     _check.agree_call(g, "broadcast_", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 
