@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import _rooted
 from ._buffers import bytes_of, filled
+from ._departures import naming
 from ._errors import (
     ERROR,
     HEADER,
@@ -106,7 +107,8 @@ def status(
     # An all-gather, not an all-reduce: gloo's small all-gather takes half the time.
     rows = [torch.empty(2, dtype=torch.int64) for _ in group.ranks]
     mine = torch.tensor([0 if error is None else 1, h], dtype=torch.int64)
-    dist.all_gather(rows, mine, group=group.cpu_group)
+    with naming(group, what):
+        dist.all_gather(rows, mine, group=group.cpu_group)
     if any(int(r[0]) for r in rows):
         spread(group, error, what=what)
     return all(int(r[1]) == h for r in rows)
@@ -123,7 +125,8 @@ def settle(group: Group, error: BaseException | None, *, together: bool, what: s
 def spread(group: Group, error: BaseException | None, *, what: str) -> NoReturn:
     """Once every rank knows that some rank failed: exchange the failures, raise the first."""
     slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in group.ranks]
-    dist.all_gather(slots, _slot(group.rank, error), group=group.cpu_group)
+    with naming(group, what):
+        dist.all_gather(slots, _slot(group.rank, error), group=group.cpu_group)
     _raise_from_slots(group, slots, error, what)
 
 
@@ -138,7 +141,8 @@ def raise_own(
 
 def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
     """Tell group index ``peer`` (in :func:`hear`) whether this end can go on; raises if not."""
-    _rooted.send_to(_slot(group.rank, error), group.cpu_group, peer)
+    with naming(group, what):
+        _rooted.send_to(_slot(group.rank, error), group.cpu_group, peer)
     if error is not None:
         raise_own(group, error, what, wrap_pdist=True)
 
@@ -146,7 +150,8 @@ def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> 
 def hear(group: Group, peer: int, *, what: str) -> None:
     """Hear from group index ``peer`` (:func:`tell`) whether it could go on; raises if not."""
     slot = torch.empty(_SLOT, dtype=torch.uint8)
-    _rooted.recv_from(slot, group.cpu_group, peer)
+    with naming(group, what):
+        _rooted.recv_from(slot, group.cpu_group, peer)
     if int(slot[0]) != OK:
         _raise_from_slots(group, [slot], None, what)
 

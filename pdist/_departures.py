@@ -27,16 +27,25 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import _compat
 from ._compat import Store, TCPStore
 from ._errors import PdistError
 from ._group import Group, Lifetime
 
-__all__ = ["PeerLeftError", "StoreGoneError", "bounded", "explained", "left_block", "record"]
+__all__ = [
+    "PeerLeftError",
+    "StoreGoneError",
+    "bounded",
+    "explained",
+    "left_block",
+    "naming",
+    "record",
+    "wait_all",
+]
 
 T = TypeVar("T")
 
@@ -189,6 +198,29 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     if not lines:
         return None
     return PeerLeftError("; ".join([*lines, where]))
+
+
+@contextlib.contextmanager
+def naming(group: Group, what: str) -> Iterator[None]:
+    """Collectives of ``what`` whose failure raises as :func:`explained`'s error, if any.
+
+    Wrap only communicator calls: a local ``RuntimeError`` would start a roll call, and
+    its peers, still in the collective, would not answer it.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        better = explained(group, what, exc)
+        if better is None:
+            raise
+        raise better from exc
+
+
+def wait_all(group: Group, works: Iterable[Any], what: str) -> None:
+    """Wait for ``works`` (the transfers of ``what``); a failure names who left, if known."""
+    with naming(group, what):
+        for work in works:
+            work.wait()
 
 
 def _roll_call(group: Group, store: Store, prefix: str) -> list[int]:

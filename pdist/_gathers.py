@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import _agree, _payload, _rooted, _wire
 from ._buffers import ALIGN, allocate, bytes_of, filled, offsets
 from ._compat import all_gather_into
+from ._departures import naming, wait_all
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._objects import DEFAULT_MIN_TENSOR_BYTES
@@ -214,8 +215,7 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
             for r, size in enumerate(reg.sizes)
             if size
         ]
-    for work in works:
-        work.wait()
+    wait_all(g, works, what)
     return _rebuilt(g, plan, safe)
 
 
@@ -226,7 +226,8 @@ def _gather_bodies(
     body = b"" if encoded is None else encoded.body
     mine = torch.tensor([int(error is not None), len(body), *_sizes(encoded)], dtype=torch.int64)
     rows = [torch.empty(4, dtype=torch.int64) for _ in g.ranks]
-    dist.all_gather(rows, mine, group=g.cpu_group)
+    with naming(g, what):
+        dist.all_gather(rows, mine, group=g.cpu_group)
     records = [r.tolist() for r in rows]
     if any(rec[0] for rec in records):
         _agree.spread(g, error, what=what)
@@ -243,7 +244,8 @@ def _gather_bodies(
         lambda failure: _agree.status(g, failure, what=what),
     )
     dst = g.ranks.index(dst_global)
-    _rooted.gather_to(buffers[0], buffers[1:] if is_dst else None, g.cpu_group, dst)
+    with naming(g, what):
+        _rooted.gather_to(buffers[0], buffers[1:] if is_dst else None, g.cpu_group, dst)
     return records, [bytes_of(out, rec[1]) for out, rec in zip(buffers[1:], records, strict=False)]
 
 
@@ -295,6 +297,5 @@ def gather_object(
             ]
         elif reg.sizes[g.rank_in_group]:
             works.append(_rooted.isend_to(plan.sends[kind], pg, dst))
-    for work in works:
-        work.wait()
+    wait_all(g, works, what)
     return _rebuilt(g, plan, safe) if is_dst else None

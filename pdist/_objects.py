@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import _agree, _payload, _rooted, _wire
+from ._departures import wait_all
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._serialize import Safe, loads, safe_or_error
@@ -83,8 +84,7 @@ def _broadcast(
     try:
         tensors = _payload.tensors_of(decoded, buffers, group.device)
     finally:
-        for work in works:
-            work.wait()
+        wait_all(group, works, what)
     return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)  # type: ignore[arg-type]
 
 
@@ -124,8 +124,7 @@ def _broadcast_out(
         return obj
     packed, failure = pack_all(encoded)
     _agree.status(group, failure, what=what)
-    for work in _broadcasts(group, src, encoded.buckets, packed):
-        work.wait()
+    wait_all(group, _broadcasts(group, src, encoded.buckets, packed), what)
     return obj
 
 
@@ -285,8 +284,7 @@ def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, wh
     except Exception as exc:
         failure = exc
     _agree.settle(group, failure, together=bool(fills) or failure is not None, what=what)
-    for work in _broadcasts(group, src, fills, buffers):
-        work.wait()
+    wait_all(group, _broadcasts(group, src, fills, buffers), what)
     if not is_src:
         for fill, flat, own in zip(fills, buffers, staged, strict=True):
             if own is not None:  # (a lone tensor was received in place)

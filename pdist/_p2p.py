@@ -15,6 +15,7 @@ import torch
 from . import _agree, _rooted, _wire
 from ._buffers import ALIGN
 from ._compat import all_gather_into
+from ._departures import naming, wait_all
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._objects import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, check_tensor_dict
@@ -72,8 +73,7 @@ def _send_payload(
         _rooted.isend_to(_part(flat, split).contiguous(), g.transport(b.kind), peer)
         for b, flat in zip(encoded.buckets, packed, strict=True)
     ]
-    for work in works:
-        work.wait()
+    wait_all(g, works, what)
 
 
 def _recv_payload(
@@ -118,9 +118,11 @@ def _recv_payload(
     assert decoded is not None
     for bucket, data in zip(decoded.buckets, buffers, strict=True):
         part = _part(data, split)
-        _rooted.recv_from(part, g.transport(bucket.kind), peer)
+        with naming(g, what):
+            _rooted.recv_from(part, g.transport(bucket.kind), peer)
         if stage is not None:
-            all_gather_into(data, part, stage.transport(bucket.kind))
+            with naming(stage, what):
+                all_gather_into(data, part, stage.transport(bucket.kind))
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)
 
 

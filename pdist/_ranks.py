@@ -14,6 +14,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 import torch.distributed as dist
 
 from . import _wire
+from ._departures import naming
 from ._errors import RemoteError
 from ._group import DistContext, Group, as_group
 
@@ -67,7 +68,8 @@ def barrier(group: Group | DistContext) -> None:
     """
     g = as_group(group)
     if g.world_size > 1:
-        dist.barrier(group=g.cpu_group)
+        with naming(g, "barrier"):
+            dist.barrier(group=g.cpu_group)
 
 
 def _name(fn: object) -> str:

@@ -9,7 +9,6 @@ it, so that one out of memory makes every rank raise instead of leaving the send
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from . import _agree, _plain, _rooted, _seams
 from ._buffers import allocate, bytes_of, filled
+from ._departures import naming
 from ._errors import ERROR, HEADER, OK, PdistError, encode_marker
 from ._group import Group
 from ._inflight import recorded
@@ -118,13 +118,23 @@ def _receive(group: Group, move: Move, report: Report, what: str) -> bytes:
     return bytes_of(first) + bytes_of(rest)
 
 
+def _named(group: Group, what: str, move: Callable[..., object], **where: Any) -> Move:
+    """``move`` with ``where`` bound, whose failure names the rank that left, if known."""
+
+    def named(t: torch.Tensor) -> object:
+        with naming(group, what):
+            return move(t, **where)
+
+    return named
+
+
 @recorded("broadcast")
 def broadcast_bytes(
     group: Group, payload: bytes | None, src: int, *, error: BaseException | None = None, what: str
 ) -> bytes:
     """Broadcast ``payload`` (or the source's ``error``) from group index ``src`` to every rank."""
     group.global_rank(src)
-    move = functools.partial(_rooted.broadcast_from, pg=group.cpu_group, index=src)
+    move = _named(group, what, _rooted.broadcast_from, pg=group.cpu_group, index=src)
     if group.rank_in_group == src:
         message = frame(payload, error, group.rank)
         _send(message, group, move, lambda: _agree.status(group, None, what=what), what)
@@ -139,7 +149,7 @@ def send_bytes(
 ) -> None:
     """Send ``payload`` (or ``error``) to group index ``dst``, which calls :func:`recv_bytes`."""
     group.global_rank(dst, name="dst")
-    move = functools.partial(_rooted.send_to, pg=group.cpu_group, index=dst)
+    move = _named(group, what, _rooted.send_to, pg=group.cpu_group, index=dst)
     message = frame(payload, error, group.rank)
     _send(message, group, move, lambda: _agree.hear(group, dst, what=what), what)
     unframe(message, group, what, own=error)
@@ -149,7 +159,7 @@ def send_bytes(
 def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
     """Receive what group index ``src`` sent with :func:`send_bytes`."""
     group.global_rank(src)
-    move = functools.partial(_rooted.recv_from, pg=group.cpu_group, index=src)
+    move = _named(group, what, _rooted.recv_from, pg=group.cpu_group, index=src)
     data = _receive(group, move, lambda failure: _agree.tell(group, src, failure, what=what), what)
     return unframe(data, group, what)
 
@@ -163,7 +173,8 @@ def all_gather_bytes(
     size, pg = FIRST_MESSAGE_BYTES, group.cpu_group
     firsts = [torch.empty(size, dtype=torch.uint8) for _ in group.ranks]
     first = filled(message[:size], size, what=None)
-    dist.all_gather(firsts, first, group=pg)
+    with naming(group, what):
+        dist.all_gather(firsts, first, group=pg)
     lengths = [HEADER.size + HEADER.unpack(bytes_of(f, HEADER.size))[1] for f in firsts]
     rest = max(lengths) - size
     rests: list[torch.Tensor] = []
@@ -176,7 +187,8 @@ def all_gather_bytes(
             rest,
             lambda failure: _agree.status(group, failure, what=what),
         )
-        dist.all_gather(rests, mine, group=pg)
+        with naming(group, what):
+            dist.all_gather(rests, mine, group=pg)
     messages = [
         bytes_of(f, min(n, size)) + (bytes_of(rests[r], n - size) if n > size else b"")
         for r, (f, n) in enumerate(zip(firsts, lengths, strict=True))

@@ -61,6 +61,31 @@ def test_the_ranks_left_behind_name_a_rank_that_exited():
         assert "this rank was in all_reduce #4 on group 'world'" in out[rank]
 
 
+def _leave_in(call: str) -> None:
+    with pdist.distributed() as ctx:
+        for step in range(200):
+            if step == 3 and ctx.rank == 2:
+                load_batch()
+            if call == "all_gather_object":
+                pdist.all_gather_object(ctx, {"step": step})
+            elif call == "broadcast_object":
+                pdist.broadcast_object(ctx, {"step": step} if ctx.rank == 0 else None)
+            else:
+                pdist.barrier(ctx)
+
+
+@pytest.mark.parametrize("call", ["all_gather_object", "broadcast_object", "barrier"])
+def test_object_calls_and_barriers_name_the_rank_that_raised(call):
+    """Rank 2 raises: the ranks left in an object call or a barrier name it, not gloo's words."""
+    with pytest.raises(SpawnError) as info:
+        spawn(_leave_in, 3, call, timeout=60)
+    out = {int(s.split(" ", 1)[0]): s for s in str(info.value).split("----- rank ")[1:]}
+    # Rank 0 always fails in the call; a receiver of the broadcast may still wait on rank 0.
+    for rank in (0, 1) if call != "broadcast_object" else (0,):
+        assert "rank 2 left the job: RuntimeError: boom" in out[rank], out[rank]
+        assert f"this rank was in {call} on group 'world'" in out[rank], out[rank]
+
+
 def _store_host_dies(port: int) -> None:
     # Rank 0 hosts the store (as under torchrun without its agent's store), then vanishes.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
