@@ -66,6 +66,7 @@ IDLE_TIMEOUT_ENV = "PDIST_MQ_IDLE_TIMEOUT_SEC"
 """How long a reader waits for the next message (unset or ``0``: forever)."""
 
 _HEADER = struct.Struct("<8sQQQ")  # magic, readers, chunk_bytes, chunks
+_LEFT = _HEADER.size // 8  # the header line's next word: 1 + the group index of a rank that left
 _MAGIC = b"pdistmq1"
 _SLOT_WORDS = struct.Struct("<QQ")  # length, kind (after the sequence number)
 _INLINE, _OVERFLOW = 1, 2
@@ -211,6 +212,7 @@ class _MessageQueue:
                 if exc is error:  # the writer's own error, sent as a marker: in step too
                     raise
                 self._failure = f"{what} on rank {group.rank}: {type(exc).__name__}: {exc}"
+                self._leave()
                 raise
 
     def _refuse(self) -> None:
@@ -332,11 +334,17 @@ class _MessageQueue:
                     f"rank {g.rank} waited {waited:.1f}s {text()} ({limit}: {timeout:g}s); "
                     "did a rank die or stop calling the broadcasts?"
                 )
-            elif now >= next_check:
+            elif now >= next_check or self._words.load(_LEFT):
                 next_check = now + _PEER_CHECK_SECONDS
-                for w in filter(_Watch.exited, self._watches):
+                for w in filter(_Watch.exited, self._watches):  # first: a peer gone names it
                     problem = f"rank {w.rank} (pid {w.pid}) exited while rank {g.rank} waited "
                     problem += text()
+                left = self._words.load(_LEFT)
+                if problem is None and left and not ready():  # (published, then left: fine)
+                    problem = (
+                        f"rank {g.ranks[left - 1]} left the queue (its block raised, or it gave "
+                        f"up on the queue after a failure) while rank {g.rank} waited {text()}"
+                    )
             if problem is not None:
                 raise PdistError(f"{what} on message_queue group {g.name!r}: {problem}")
             if now >= next_log:
@@ -352,10 +360,21 @@ class _MessageQueue:
                 time.sleep(sleep)
                 sleep = min(sleep * 2, _MAX_SLEEP)
 
-    def close(self) -> None:
-        """Refuse further use, wake a waiting thread, and unmap the ring."""
+    def _leave(self) -> None:
+        """Tell the other ranks, waiting or about to, that this one stops using the ring."""
+        if not self._released and not self._words.load(_LEFT):
+            self._words.store(_LEFT, self._g.rank_in_group + 1)
+
+    def close(self, *, failed: bool = False) -> None:
+        """Refuse further use, wake a waiting thread, and unmap the ring.
+
+        ``failed``: the block exits through an exception; the ranks that wait for this one
+        raise rather than wait on.
+        """
         self._closed = True
         with self._lock:
+            if failed:
+                self._leave()
             if not self._released:
                 self._released = True
                 self._words.release()
@@ -572,5 +591,7 @@ def message_queue(
     queue = _MessageQueue(g, _mapped(g, plan), atomics, idle, plan.pids)
     try:
         yield attrs.evolve(g, mq=queue)
-    finally:
-        queue.close()
+    except BaseException:
+        queue.close(failed=True)  # the others stop waiting for this rank
+        raise
+    queue.close()

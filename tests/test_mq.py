@@ -395,6 +395,29 @@ def test_an_idle_reader_times_out_then_the_queue_is_poisoned(how):
     assert "rank 1 waited" in second
 
 
+def _writer_raises_inside():
+    """The writer's block raises; the readers then wait for a message that never comes."""
+    with pdist.distributed(timeout=30) as ctx:
+        start = time.monotonic()
+        with contextlib.suppress(RuntimeError), pdist.message_queue(ctx) as g:
+            if ctx.rank == 0:
+                raise RuntimeError("the writer fails")
+            try:
+                pdist.broadcast_object(g, None)
+            except pdist.PdistError as exc:
+                return str(exc), time.monotonic() - start
+        return None
+
+
+def test_readers_raise_when_the_writer_leaves_through_an_exception():
+    """A writer that leaves its queue block by raising (alive) ends the readers' wait at once."""
+    results = pdist.testing.spawn(_writer_raises_inside, 3, timeout=60)
+    assert results[0] is None
+    for message, took in results[1:]:
+        assert "rank 0 left the queue (its block raised" in message, message
+        assert took < 10
+
+
 def _poisoned_writer():
     """The writer runs out of slots (the reader never reads) past the group's timeout."""
     with pdist.distributed(timeout=2) as ctx, pdist.message_queue(ctx, chunks=2) as group:
