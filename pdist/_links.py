@@ -120,6 +120,14 @@ class _Join:
     def join(self) -> None:
         """Check in and wait until every member has; raise naming the missing ranks."""
         store = cast("Store", self.store)
+        if self.rank == 0:
+            store.set(self.key("size"), str(self.size))
+        elif (theirs := int(store.get(self.key("size")))) != self.size:  # member 0 sets it first
+            msg = (
+                f"{self.label}: world_size={self.size} on link rank {self.rank}, but member 0 "
+                f"passed world_size={theirs}; pass the same world_size on every member"
+            )
+            raise PdistError(msg)
         if store.add(self.key(f"joined/{self.rank}"), 1) > 1:
             msg = f"{self.label}: link rank {self.rank} joined twice; give each member its own rank"
             raise PdistError(msg)
@@ -265,7 +273,8 @@ def link(
     Raises:
         ValueError: A bad ``address``, ``rank`` or ``world_size``.
         PdistError: Some member did not join within ``timeout`` (on every member that
-            did, naming the missing link ranks), or member 0 could not host the store.
+            did, naming the missing link ranks), member 0 could not host the store, or
+            this member's ``world_size`` differs from member 0's (on this member, at once).
     """
     host, port = _parse_address(address)
     rank, size = _check_ranks(rank, world_size)

@@ -179,6 +179,33 @@ def test_member_that_never_comes() -> None:
         assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 3 + 15
 
 
+SIZES = """
+    import os, time
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    size = 3 if rank == 2 else 2  # rank 2 thinks the link has three members
+    start = time.monotonic()
+    try:
+        with pdist.link(os.environ["LINK"], rank=rank, world_size=size, timeout=20):
+            print("JOINED")
+            time.sleep(5)  # the store stays open while rank 2 checks in
+    except pdist.PdistError as exc:
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}")
+    print("OK")
+"""
+
+
+def test_a_member_of_another_world_size_is_told_at_once() -> None:
+    """A member whose world_size differs from member 0's raises at join, naming both sizes."""
+    results = run_ranks(SIZES, 3, timeout=60, env={"LINK": f"127.0.0.1:{free_port()}"})
+    assert "JOINED" in results[0].output, results[0].output
+    assert "JOINED" in results[1].output, results[1].output
+    out = results[2].output
+    assert "world_size=3 on link rank 2, but member 0 passed world_size=2" in out, out
+    assert float(out.split("RAISED after ")[1].split("s")[0]) < 15
+
+
 ROUNDS = """
     import os
     import torch
