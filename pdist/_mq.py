@@ -67,6 +67,7 @@ IDLE_TIMEOUT_ENV = "PDIST_MQ_IDLE_TIMEOUT_SEC"
 
 _HEADER = struct.Struct("<8sQQQ")  # magic, readers, chunk_bytes, chunks
 _LEFT = _HEADER.size // 8  # the header line's next word: 1 + the group index of a rank that left
+_DEAD = _LEFT + 1  # and the next: 1 + the group index of a rank whose process a rank saw exit
 _MAGIC = b"pdistmq1"
 _SLOT_WORDS = struct.Struct("<QQ")  # length, kind (after the sequence number)
 _INLINE, _OVERFLOW = 1, 2
@@ -339,12 +340,12 @@ class _MessageQueue:
                 for w in filter(_Watch.exited, self._watches):  # first: a peer gone names it
                     problem = f"rank {w.rank} (pid {w.pid}) exited while rank {g.rank} waited "
                     problem += text()
-                left = self._words.load(_LEFT)
+                    self._words.store(_DEAD, g.ranks.index(w.rank) + 1)
+                left, dead = self._words.load(_LEFT), self._words.load(_DEAD)
                 if problem is None and left and not ready():  # (published, then left: fine)
-                    problem = (
-                        f"rank {g.ranks[left - 1]} left the queue (its block raised, or it gave "
-                        f"up on the queue after a failure) while rank {g.rank} waited {text()}"
-                    )
+                    gone = "left the queue (its block raised, or it gave up on it after a failure)"
+                    who, did = (dead, "exited") if dead else (left, gone)  # a death: the cause
+                    problem = f"rank {g.ranks[who - 1]} {did} while rank {g.rank} waited {text()}"
             if problem is not None:
                 raise PdistError(f"{what} on message_queue group {g.name!r}: {problem}")
             if now >= next_log:
