@@ -21,7 +21,7 @@ import torch
 from . import _plain, _seams
 from ._buffers import ALIGN, aligned, bytes_of, resolved, slab, tensor_bytes
 from ._errors import PdistError
-from ._serialize import TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
+from ._serialize import DTYPES, TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
 
 __all__ = [
     "KINDS",
@@ -56,7 +56,7 @@ _INT64 = 1 << 63  # sizes, shapes and offsets torch can hold are below it
 def _viewable() -> frozenset[torch.dtype]:
     """The dtypes a flat uint8 buffer can be viewed as, except quantized ones (never dense)."""
     probe, out = torch.empty(64, dtype=torch.uint8), set()
-    for dtype in {d for d in vars(torch).values() if isinstance(d, torch.dtype)}:
+    for dtype in DTYPES:
         if "qint" in str(dtype) or "quint" in str(dtype):
             continue
         try:

@@ -21,11 +21,10 @@ import torch
 
 from ._errors import RankMismatchError
 from ._group import DistContext, Group, as_group
+from ._serialize import DTYPES, dtype_name
 from ._uneven import exchange, rows
 
 __all__ = ["ulysses_attention"]
-
-_DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
 
 
 def _layout_dims(layout: object) -> tuple[int, int, int, int]:
@@ -102,7 +101,7 @@ def _check(
             "do not divide (grouped-query attention)"
         )
         raise ValueError(msg)
-    dtype = _DTYPES.index(q.dtype)
+    dtype = DTYPES.index(q.dtype)
     return (q.shape[s], q.shape[h], k.shape[h], q.shape[b], q.shape[d], v.shape[d], dtype)
 
 
@@ -135,7 +134,7 @@ def _plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) 
 
 
 def _dtype_name(code: int) -> str:
-    return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "?"
+    return dtype_name(DTYPES[code]) if 0 <= code < len(DTYPES) else "?"
 
 
 def _plan_from(g: Group, got: list[list[int]]) -> _Plan:

@@ -22,6 +22,7 @@ from . import _compat
 from ._errors import PdistError, raised_as_is
 
 __all__ = [
+    "DTYPES",
     "PROTOCOL",
     "Safe",
     "TensorSpec",
@@ -38,9 +39,9 @@ PROTOCOL = 2
 Safe = bool | Iterable[type]  # False (plain pickle), True (allow-list), or extra classes to allow
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
+DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))
+"""Every dtype of this torch, in one order (an index into it travels as a dtype's code)."""
+_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in DTYPES}
 _NAMES: dict[torch.dtype, str] = {d: name for name, d in _DTYPES.items()}
 
 
