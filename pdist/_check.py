@@ -92,17 +92,21 @@ def agree_args(
             check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
 
 
-def checked(group: Group, name: str, x: object, *checks: Callable[[], Any]) -> list[Any]:
+def checked(
+    group: Group, name: str, x: object, *checks: Callable[[], Any], agree: bool = True
+) -> list[Any]:
     """This rank's argument ``checks`` of collective ``name``, run: their results, in order.
 
     In check mode a failing rank joins the agreement its peers wait in (:func:`agree_args`),
     so that they raise its error too, instead of pairing that agreement with its next
-    call. (Callables, not a ``with`` block: torch.compile before 2.7 cannot trace one.)
+    call; ``agree=False``: a local op, which its peers do not agree on. (Callables, not a
+    ``with`` block: torch.compile before 2.7 cannot trace one.)
     """
     try:
         return [check() for check in checks]
     except (TypeError, ValueError) as exc:
-        agree_args(group, name, describe(x), exc)
+        if agree:
+            agree_args(group, name, describe(x), exc)
         raise
 
 
@@ -120,17 +124,14 @@ def explaining(group: Group, what: str, *, counted: bool = True) -> Iterator[Non
         calls[group.name] = number = calls.get(group.name, 0) + 1
         what = f"{what} #{number}"
     try:
-        yield
-    except RuntimeError as exc:
-        better = _departures.explained(group, what, exc)
+        with _departures.naming(group, what):
+            yield
+    except RuntimeError as exc:  # no one left: a mismatch the backend saw gets the hint
         text = str(exc).strip()
-        mismatch = any(m in text.lower() for m in _MISMATCH)
-        if better is None and mismatch and not isinstance(exc, PdistError):
-            msg = (
-                f"{what} on group {group.name!r} (rank {group.rank}): the ranks' tensors "
-                f"do not match ({text.splitlines()[0]}); {HINT}"
-            )
-            better = PdistError(msg)
-        if better is None:
+        if isinstance(exc, PdistError) or not any(m in text.lower() for m in _MISMATCH):
             raise
-        raise better from exc
+        msg = (
+            f"{what} on group {group.name!r} (rank {group.rank}): the ranks' tensors "
+            f"do not match ({text.splitlines()[0]}); {HINT}"
+        )
+        raise PdistError(msg) from exc

@@ -91,6 +91,12 @@ def _check_all_to_all(g: Group, x: torch.Tensor, scatter: int, gather: int) -> t
     return _split_dim(g, x, s, "all_to_all_4d scatter_dim"), d
 
 
+def _check_async(async_op: object) -> None:
+    if not isinstance(async_op, bool):
+        msg = f"async_op={async_op!r} must be True or False"
+        raise TypeError(msg)
+
+
 def _contiguous(group: Group, x: torch.Tensor) -> None:
     if group.world_size > 1 and not x.is_contiguous():
         msg = "broadcast writes x in place, so x must be contiguous; pass x.contiguous()"
@@ -200,15 +206,9 @@ def _collective(
     name: str, group: Group | DistContext, x: torch.Tensor, *options: Any, async_op: bool = False
 ) -> torch.Tensor:
     spec, g = _SPECS[name], as_group(group)
-    try:
-        args = spec.check(g, _check_tensor(x), *options)
-        if not isinstance(async_op, bool):
-            msg = f"async_op={async_op!r} must be True or False"
-            raise TypeError(msg)
-    except (TypeError, ValueError) as exc:
-        if spec.launch is not None:  # (shard is local: it agrees on nothing)
-            _check.agree_args(g, name, _check.describe(x), exc)
-        raise
+    agree = spec.launch is not None  # shard is local: its peers agree on nothing
+    checks = (lambda: spec.check(g, _check_tensor(x), *options), lambda: _check_async(async_op))
+    args, _ = _check.checked(g, name, x, *checks, agree=agree)
     if g.world_size == 1:
         return x
     if spec.launch is not None:
