@@ -28,7 +28,6 @@ __all__ = [
     "broadcast_object",
     "broadcast_object_list",
     "broadcast_tensor_dict",
-    "broadcast_tensors",
     "check_tensor_dict",
 ]
 
@@ -260,32 +259,3 @@ def broadcast_tensor_dict(
     return _broadcast(  # type: ignore[no-any-return]
         g, tensor_dict, src, safe=safe, check=check, what="broadcast_tensor_dict"
     )
-
-
-def broadcast_tensors(group: Group, tensors: list[torch.Tensor], src: int, *, what: str) -> None:
-    """Broadcast ``tensors`` (of the same layout on every rank, so no header) from ``src``.
-
-    Buckets are staged (a lone contiguous tensor travels in place), every rank reports
-    whether it could stage (and the source pack) them, then they move and receivers copy
-    them into ``tensors``; a failure to copy raises on that receiver alone.
-    """
-    group.global_rank(src)
-    is_src = group.rank_in_group == src
-    fills: list[_payload.Fill] = []
-    staged: _payload.Staging = []
-    buffers: list[torch.Tensor] = []
-    failure: BaseException | None = None
-    try:
-        for t in tensors:
-            _payload.place(fills, t, group.device, DEFAULT_BUCKET_BYTES)
-        staged = _payload.staging(fills, [f.size for f in fills], receiving=not is_src)
-        for fill, flat in zip(fills, staged, strict=True):
-            buffers.append(fill.pack(flat) if is_src else fill.receive_buffer(flat))
-    except Exception as exc:
-        failure = exc
-    _agree.settle(group, failure, together=bool(fills) or failure is not None, what=what)
-    wait_all(group, _broadcasts(group, src, fills, buffers), what)
-    if not is_src:
-        for fill, flat, own in zip(fills, buffers, staged, strict=True):
-            if own is not None:  # (a lone tensor was received in place)
-                fill.unpack(flat)
