@@ -268,7 +268,7 @@ def _needs(anchor: torch.Tensor | None) -> bool:
 
 def _records(x: object) -> bool:
     """Whether this rank records the backward of a call whose ranks must agree on it."""
-    return torch.is_grad_enabled() and bool(getattr(x, "requires_grad", False))
+    return grad_flag(x) == 2
 
 
 def grad_flag(x: object) -> int:
