@@ -19,7 +19,7 @@ import torch
 from . import _check
 from ._errors import RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._uneven import exchange, rows
+from ._uneven import any_grad, exchange, grad_flag, rows
 
 __all__ = ["Counts", "Routed", "moe_combine", "moe_dispatch"]
 
@@ -55,7 +55,7 @@ class Routed:
 
 
 def _record_width(num_experts: object, p: int) -> int:
-    """The counts exchange's record: ``num_experts``, then ``E/P`` counts, padded.
+    """The counts exchange's record: ``num_experts``, the grad flag, ``E/P`` counts, padded.
 
     Every rank must send records of one width, and the width follows ``E/P``: ranks
     that disagree on ``num_experts`` would send different sizes, and the exchange
@@ -68,7 +68,7 @@ def _record_width(num_experts: object, p: int) -> int:
     local = 0
     if isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts > 0:
         local = -(-num_experts // p)  # a bad one (not a multiple) still sends a marker as wide
-    return 1 + max(16, 1 << max(local - 1, 0).bit_length())
+    return 2 + max(16, 1 << max(local - 1, 0).bit_length())
 
 
 def _same_num_experts(group: Group, seen: list[int]) -> None:
@@ -127,7 +127,10 @@ def moe_dispatch(
 
     Expert ``e`` lives on group index ``e // (num_experts // P)``. A token with
     ``K`` experts travels ``K`` times (once to each; twice to a rank holding two).
-    Differentiable in ``tokens``. A rank may have no tokens (``T = 0``).
+    Differentiable in ``tokens``. A rank may have no tokens (``T = 0``), and its
+    ``tokens`` need not require grad: whether any rank's tokens need a gradient
+    travels with the counts, and then every rank records the backward (its
+    ``routed.tokens`` requires grad), so every rank's backward runs its all-to-all.
 
     Example (experts as one linear layer each)::
 
@@ -146,7 +149,12 @@ def moe_dispatch(
         experts per rank round up to the same power of two). The hidden size is
         the caller's to keep equal: check mode (``distributed(check=True)`` or
         ``PDIST_CHECK=1``) compares it, the dtype and ``num_experts`` first, on
-        every rank.
+        every rank. Every rank calls it in the same grad mode (a rank in
+        ``torch.no_grad()`` while another's tokens need a gradient raises on every
+        rank), and, when one does, runs the backward (``loss.backward()``) with
+        a loss built from :func:`moe_combine`'s output: on a rank without tokens
+        too (``y.sum()`` over its zero rows), since its experts' rows came from
+        the others.
 
     Args:
         group: The expert-parallel group (a context means its world).
@@ -164,8 +172,9 @@ def moe_dispatch(
             range or wrong shapes, on any rank (on every rank).
         TypeError: ``num_experts`` is not a positive int or ``expert_ids`` not an
             integer tensor, on any rank (on every rank).
-        RankMismatchError: The ranks passed different ``num_experts`` (or, in
-            check mode, tokens of different widths or dtypes), on every rank.
+        RankMismatchError: The ranks passed different ``num_experts``, or a rank
+            called it under ``torch.no_grad()`` while another's tokens require grad
+            (or, in check mode, tokens of different widths or dtypes), on every rank.
     """
     g = as_group(group)
     p = g.world_size
@@ -184,12 +193,15 @@ def moe_dispatch(
     flat = expert_ids.reshape(-1).long()  # [T*K]
     order = torch.argsort(flat, stable=True)  # sorted by expert: by rank, then local expert
     per_expert = torch.bincount(flat, minlength=num_experts).view(p, local).tolist()
-    records = [[num_experts, *c, *[0] * (width - 1 - local)] for c in per_expert]
+    flag = grad_flag(tokens)  # a peer's need for a gradient rides with the counts
+    records = [[num_experts, flag, *c, *[0] * (width - 2 - local)] for c in per_expert]
     got = exchange(g, records, None, width=width, what="moe_dispatch")  # [P, width]
     _same_num_experts(g, [r[0] for r in got])
-    got = [r[1 : 1 + local] for r in got]  # [P, local]
+    grad = any_grad(g, [r[1] for r in got], "moe_dispatch")
+    got = [r[2 : 2 + local] for r in got]  # [P, local]
     sent, received = [sum(c) for c in per_expert], [sum(c) for c in got]
-    out = rows(g, tokens[order // k], sent, received)  # [N, H], by source rank, local expert
+    # Any rank's tokens need a gradient: every rank records, so every backward runs.
+    out = rows(g, tokens[order // k], sent, received, grad=grad)  # [N, H], by rank, expert
     # Regroup the blocks (source j, local expert e) into expert-major order.
     sizes = torch.tensor(got, dtype=torch.int64, device=out.device).view(-1)  # source-major
     blocks = torch.arange(p * local, device=out.device).repeat_interleave(sizes)  # [N]
@@ -241,6 +253,16 @@ def moe_combine(
         :func:`moe_dispatch` returned, and outputs of one width and dtype.
 
     Note:
+        Its backward reaches :func:`moe_dispatch`'s on every rank whenever the
+        dispatch recorded one (any rank's tokens needed a gradient), even where
+        ``expert_out`` does not depend on ``routed.tokens``: an expert that got
+        no rows may be skipped, and ``expert_out`` built without it (even
+        ``torch.zeros(0, H')``, without grad). When no rank's tokens need a
+        gradient but the experts train, nothing carries that need: then every
+        rank's ``expert_out`` must require grad alike (compute a skipped expert
+        on its zero rows instead); check mode compares it.
+
+    Note:
         No counts travel here, so nothing carries a wrong shape to the other
         ranks: the caller vouches for ``expert_out`` (one row per routed row) and
         ``weights``, and a wrong one raises only on its rank while the others wait
@@ -260,7 +282,7 @@ def moe_combine(
         ValueError: ``expert_out`` or ``weights`` has the wrong shape (on this rank;
             in check mode, on every rank).
         RankMismatchError: In check mode, on every rank: the ranks' ``expert_out``
-            differ in width or dtype.
+            differ in width or dtype, or in whether they need the backward.
     """
     n, (t, k) = routed.tokens.shape[0], routed.shape
     error: BaseException | None = None
@@ -269,13 +291,20 @@ def moe_combine(
     except ValueError as e:
         error = e
     out_rows = _check.describe(expert_out, rows=True)
-    _check.agree_args(routed.group, "moe_combine", out_rows, error)
+    needs = torch.is_grad_enabled() and (
+        routed.tokens.requires_grad or getattr(expert_out, "requires_grad", False)
+    )  # whether this rank records the backward: the ranks must agree (see the Note)
+    _check.agree_args(routed.group, "moe_combine", out_rows, error, requires_grad=needs)
     if error is not None:
         raise error
     back = torch.empty_like(routed.regroup)
     back[routed.regroup] = torch.arange(n, device=back.device)
     unsent = expert_out[back]  # by source rank, local expert: as received
-    home = rows(routed.group, unsent, routed.received, routed.sent)  # [T*K, H'], sorted by expert
+    # routed.tokens as the anchor: the backward reaches the dispatch's even where
+    # expert_out does not depend on it (an expert skipped for want of rows).
+    home = rows(
+        routed.group, unsent, routed.received, routed.sent, anchor=routed.tokens
+    )  # [T*K, H']
     place = torch.empty_like(routed.order)
     place[routed.order] = torch.arange(t * k, device=place.device)
     per_pair = home[place].view(t, k, *home.shape[1:])  # [T, K, H']

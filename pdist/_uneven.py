@@ -24,11 +24,20 @@ import torch.distributed as dist
 from . import _check
 from ._agree import check_same, raise_own, spread
 from ._compat import functional_ops
+from ._errors import RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
 from ._launches import local
 
-__all__ = ["all_gather_sizes", "all_to_all", "exchange", "reduce_scatter_sizes", "rows"]
+__all__ = [
+    "all_gather_sizes",
+    "all_to_all",
+    "any_grad",
+    "exchange",
+    "grad_flag",
+    "reduce_scatter_sizes",
+    "rows",
+]
 
 
 def exchange(
@@ -133,6 +142,16 @@ def all_to_all(
         exchange). Check mode (``distributed(check=True)`` or ``PDIST_CHECK=1``)
         verifies them, with the row shape and dtype: every rank raises instead.
 
+    Note:
+        The backward is an all-to-all too, so every rank must run it when any
+        does. With ``send_counts`` alone, whether any rank's ``x`` requires grad
+        travels with the counts, and then every rank records the backward (its
+        output requires grad even if its ``x`` does not, say a rank with no rows)
+        and must call ``backward()`` on a loss built from it. With both counts
+        given, or none, nothing travels: the caller keeps ``x.requires_grad`` (and
+        the grad mode) alike on every rank, or a rank that recorded no backward
+        leaves the others waiting in theirs; check mode compares it.
+
     Args:
         group: The group (a ``DistContext`` means its ``world``).
         x: ``[N, ...]``; rows along dim 0.
@@ -151,8 +170,11 @@ def all_to_all(
             the counts are exchanged, or in check mode).
         TypeError: Counts that are not ints; ``recv_counts`` to be exchanged while
             compiling (pass both).
-        RankMismatchError: In check mode, on every rank: the ranks' rows differ in
-            shape or dtype, or the given ``recv_counts`` are not what the ranks send.
+        RankMismatchError: On every rank: with ``send_counts`` alone, a rank
+            called it under ``torch.no_grad()`` while another's ``x`` requires grad;
+            in check mode, the ranks' rows differ in shape, dtype or (counts given
+            or none) ``requires_grad``, or the given ``recv_counts`` are not what
+            the ranks send.
     """
     g = as_group(group)
     exchanged = recv_counts is None and send_counts is not None
@@ -167,15 +189,21 @@ def all_to_all(
     except (TypeError, ValueError) as e:
         error = e
     how = "exchanged" if exchanged else "even" if send_counts is None else "given"
-    _check.agree_args(g, "all_to_all", _check.describe(x, rows=True), error, counts=how)
-    if exchanged:
-        got = exchange(g, None if error else [[c] for c in send], error, width=1, what="all_to_all")
+    fields: dict[str, object] = {"counts": how}
+    if not exchanged:  # nothing carries the need for a gradient: the ranks must agree on it
+        fields["requires_grad"] = _records(x)
+    _check.agree_args(g, "all_to_all", _check.describe(x, rows=True), error, **fields)
+    grad = False
+    if exchanged:  # the need for a gradient rides with the counts
+        records = None if error else [[c, grad_flag(x)] for c in send]
+        got = exchange(g, records, error, width=2, what="all_to_all")
         recv = [r[0] for r in got]
+        grad = any_grad(g, [r[1] for r in got], "all_to_all")
     elif error is not None:
         raise error
     elif recv_counts is not None and _check.enabled(g) and not torch.compiler.is_compiling():
         _verify(g, send, recv)
-    return rows(g, x, send, recv)
+    return rows(g, x, send, recv, grad=grad)
 
 
 def _arguments(
@@ -208,13 +236,67 @@ def _verify(group: Group, send: list[int], recv: list[int]) -> None:
     check_same(group, f"all_to_all on group {group.name!r} (check mode)", summary, None)
 
 
-def rows(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-    """The all-to-all of checked counts (``_moe`` and ``_sequence`` call it directly)."""
+def rows(
+    group: Group,
+    x: torch.Tensor,
+    send: list[int],
+    recv: list[int],
+    *,
+    grad: bool = False,
+    anchor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The all-to-all of checked counts (``_moe`` and ``_sequence`` call it directly).
+
+    Recorded for autograd (grad mode on) when ``x`` or ``anchor`` requires grad, or
+    ``grad``: a peer's input needs its gradient, so this rank's backward must run the
+    swapped all-to-all too, or that peer waits in it. Every rank of the group must
+    come to the same answer. ``anchor``: a tensor whose graph the backward must reach
+    even when ``x`` does not depend on it; its gradient is zeros.
+    """
     if group.world_size == 1:
         return x
-    if torch.is_grad_enabled() and x.requires_grad:
-        return cast("torch.Tensor", _AllToAll.apply(group, x, send, recv))  # type: ignore[no-untyped-call]
+    if torch.is_grad_enabled() and (grad or x.requires_grad or _needs(anchor)):
+        if not _needs(anchor) and not x.requires_grad:
+            anchor = x.new_empty(0).requires_grad_()  # records the backward; dropped after
+        return cast("torch.Tensor", _AllToAll.apply(group, x, anchor, send, recv))  # type: ignore[no-untyped-call]
     return _forward(group, x, send, recv)
+
+
+def _needs(anchor: torch.Tensor | None) -> bool:
+    return anchor is not None and anchor.requires_grad
+
+
+def _records(x: object) -> bool:
+    """Whether this rank records the backward of a call whose ranks must agree on it."""
+    return grad_flag(x) == 2
+
+
+def grad_flag(x: object) -> int:
+    """This rank's word on autograd, for a counts exchange: 0 grad mode off, 1 on, 2 needs one."""
+    if not torch.is_grad_enabled():
+        return 0
+    return 2 if isinstance(x, torch.Tensor) and x.requires_grad else 1
+
+
+def any_grad(group: Group, flags: Sequence[int], what: str) -> bool:
+    """Whether any rank's input needs a gradient (every rank's :func:`grad_flag`, exchanged).
+
+    Then every rank records the backward. Every rank sees the same ``flags``, so a rank
+    in ``torch.no_grad()`` while another's input needs a gradient (that one would wait
+    in the backward for good) raises the same error on every rank.
+    """
+    if 2 not in flags:
+        return False
+    off = [group.ranks[j] for j, f in enumerate(flags) if f == 0]
+    if off:
+        needs = [group.ranks[j] for j, f in enumerate(flags) if f == 2]
+        msg = (
+            f"{what} on group {group.name!r}: rank(s) {off} called it with grad mode off "
+            f"(torch.no_grad), while the input of rank(s) {needs} requires grad, so their "
+            "backward would wait for the others; call it in the same grad mode on every rank"
+        )
+        raise RankMismatchError(msg)
+    return True
 
 
 def _forward(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
@@ -235,18 +317,36 @@ def _eager(
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows to ranks by counts; the gradient goes back with the counts swapped."""
+    """Rows to ranks by counts; the gradient goes back with the counts swapped.
+
+    The backward runs the swapped all-to-all even where neither input needs its
+    result: the peers' gradients travel through it.
+    """
 
     @staticmethod
     def forward(
-        ctx: Any, group: Group, x: torch.Tensor, send: list[int], recv: list[int]
+        ctx: Any,
+        group: Group,
+        x: torch.Tensor,
+        anchor: torch.Tensor | None,
+        send: list[int],
+        recv: list[int],
     ) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
+        if anchor is not None:
+            ctx.anchor = anchor.shape, anchor.dtype, anchor.device
         return _forward(group, x, send, recv)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
-        return None, _forward(ctx.group, grad, ctx.recv, ctx.send), None, None
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[None, torch.Tensor | None, torch.Tensor | None, None, None]:
+        back = _forward(ctx.group, grad, ctx.recv, ctx.send)
+        zeros = None
+        if ctx.needs_input_grad[2]:  # stride 0: no memory for the anchor's zeros
+            shape, dtype, device = ctx.anchor
+            zeros = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        return None, back if ctx.needs_input_grad[1] else None, zeros, None, None
 
 
 def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> torch.Tensor:
@@ -254,7 +354,8 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
 
     The caller vouches that every rank passes the same ``sizes``: only this rank's
     entry can be checked here (against ``x``), so a difference fails where it shows
-    while the others wait. Check mode compares them (and ``x``'s other dims and dtype)
+    while the others wait. Check mode compares them (and ``x``'s other dims, dtype and
+    ``requires_grad``: a rank that records no backward strands the others in theirs)
     on every rank first.
     """
     error: BaseException | None = None
@@ -271,7 +372,8 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    _check.agree_args(group, "all_gather", _check.describe(x, dim=dim), error, sizes=counts)
+    fields = {"sizes": counts, "requires_grad": _records(x)}
+    _check.agree_args(group, "all_gather", _check.describe(x, dim=dim), error, **fields)
     if error is not None:
         raise error
     if group.world_size == 1:
@@ -303,7 +405,7 @@ def reduce_scatter_sizes(
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    fields = {"op": op, "dim": dim, "sizes": counts}
+    fields = {"op": op, "dim": dim, "sizes": counts, "requires_grad": _records(x)}
     _check.agree_args(group, "reduce_scatter", _check.describe(x), error, **fields)
     if error is not None:
         raise error

@@ -131,3 +131,90 @@ def test_different_num_experts_raise_on_every_rank(check):
     """num_experts travels in the counts record: a rank's other number raises on all, no wait."""
     for seconds in spawn(_different_num_experts, 3, check, timeout=90):
         assert seconds < 15
+
+
+def _sparse_inputs(rank: int, p: int):
+    """Rank 0 has no tokens (no grad); no token picks the last rank's experts."""
+    gen = torch.Generator().manual_seed(rank)
+    t = 0 if rank == 0 else 3 + rank
+    ids = torch.zeros(t, K, dtype=torch.int64)
+    for row in ids:
+        row.copy_(torch.randperm(2 * p - 2, generator=gen)[:K])
+    return torch.randn(t, H, generator=gen), ids.view(t, K), torch.rand(t, K, generator=gen)
+
+
+def _skipping_layer(ctx, tokens, ids, weights, mine):
+    """Mixtral's way: an expert that got no rows is skipped (its rank may compute nothing)."""
+    routed = pdist.moe_dispatch(ctx, tokens, ids, 2 * ctx.world_size)
+    parts = routed.tokens.split(routed.counts)
+    outs = [rows @ w for rows, w in zip(parts, mine, strict=True) if rows.shape[0]]
+    expert_out = torch.cat(outs) if outs else torch.zeros(0, OUT)  # no grad, no routed.tokens
+    return pdist.moe_combine(routed, expert_out, weights)
+
+
+def _zero_tokens_and_skipped_experts(ctx) -> None:
+    r, p = ctx.rank, ctx.world_size
+    experts = [
+        torch.randn(H, OUT, generator=torch.Generator().manual_seed(100 + e)) for e in range(2 * p)
+    ]
+    mine = [w.clone().requires_grad_() for w in experts[2 * r : 2 * r + 2]]
+    tokens, ids, weights = _sparse_inputs(r, p)
+    if r:  # rank 0's zeros(0, H) needs no gradient, as a data loader's empty batch
+        tokens.requires_grad_()
+        weights.requires_grad_()
+    start = time.monotonic()
+    y = _skipping_layer(ctx, tokens, ids, weights, mine)
+    target = torch.randn(y.shape, generator=torch.Generator().manual_seed(50 + r))
+    (y * target).sum().backward()  # on rank 0, a sum over zero rows: still from y
+    assert time.monotonic() - start < 20
+
+    refs = [w.clone().requires_grad_() for w in experts]
+    inputs = [
+        [t.clone().requires_grad_(t.is_floating_point()) for t in _sparse_inputs(i, p)]
+        for i in range(p)
+    ]
+    total = sum(
+        (
+            _reference(tok, ide, wei, refs)
+            * torch.randn(tok.shape[0], OUT, generator=torch.Generator().manual_seed(50 + i))
+        ).sum()
+        for i, (tok, ide, wei) in enumerate(inputs)
+    )
+    torch.testing.assert_close(y, _reference(*inputs[r], refs).detach())
+    total.backward()
+    if r:
+        torch.testing.assert_close(tokens.grad, inputs[r][0].grad)
+        torch.testing.assert_close(weights.grad, inputs[r][2].grad)
+    for w, ref in zip(mine, refs[2 * r : 2 * r + 2], strict=True):
+        zero = torch.zeros(H, OUT)  # a skipped expert: no gradient on either side
+        torch.testing.assert_close(
+            w.grad if w.grad is not None else zero, ref.grad if ref.grad is not None else zero
+        )
+
+
+@world_sizes(2, 3, timeout=60)
+def test_zero_token_rank_and_skipped_experts_backward_on_every_rank(ctx):
+    """A rank without tokens and a rank whose experts got no rows: every backward runs."""
+    _zero_tokens_and_skipped_experts(ctx)
+
+
+def _unchecked(fn) -> None:
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed() as ctx:
+        fn(ctx)
+
+
+def test_zero_token_rank_backward_without_check_mode():
+    """Check mode off, the need for a gradient still rides on the counts exchange."""
+    spawn(_unchecked, 3, _zero_tokens_and_skipped_experts, timeout=60)
+
+
+@world_sizes(3, timeout=60)
+def test_frozen_tokens_with_a_skipped_expert_raise_in_check_mode(ctx):
+    """No rank's tokens need a gradient: a skipped expert's rank differs, check mode says so."""
+    r, p = ctx.rank, ctx.world_size
+    mine = [torch.randn(H, OUT).requires_grad_() for _ in range(2)]
+    tokens, ids, weights = _sparse_inputs(r, p)  # none requires grad; rank 2 gets no rows
+    with pytest.raises(pdist.RankMismatchError, match="requires_grad=False"):
+        _skipping_layer(ctx, tokens, ids, weights, mine)
+    pdist.barrier(ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -182,3 +183,58 @@ def test_all_to_all_compiles_without_graph_breaks(ctx):
     finally:
         del compiled  # compiled code holds the process groups
         torch._dynamo.reset()
+
+
+def _one_rank_without_grad(ctx) -> None:
+    r, p = ctx.rank, ctx.world_size
+    counts = [[1, 2, 0][:p], [0] * p, [2, 1, 3][:p]][:p]  # rank 1 sends nothing, no grad
+    send = counts[r]
+    x = _rows(r, sum(send))
+    if r != 1:
+        x.requires_grad_()
+    out = pdist.all_to_all(ctx, x, send)
+    weight = torch.arange(out.numel(), dtype=torch.float32).view_as(out) + r
+    (out * weight).sum().backward()  # rank 1 too: its rows came from ranks that need grads
+    if r != 1:
+        ref = []
+        for j in range(p):
+            got = sum(counts[i][j] for i in range(p))
+            w_j = torch.arange(got * 5, dtype=torch.float32).view(-1, 5) + j
+            start = sum(counts[i][j] for i in range(r))
+            ref.append(w_j[start : start + send[j]])
+        torch.testing.assert_close(x.grad, torch.cat(ref))
+    no_grad = torch.no_grad() if r == 0 else contextlib.nullcontext()
+    with no_grad, pytest.raises(pdist.RankMismatchError, match=r"rank\(s\) \[0\] called it"):
+        pdist.all_to_all(ctx, _rows(r, p).requires_grad_(r == 1), [1] * p)
+
+
+@world_sizes(2, 3, timeout=60)
+def test_all_to_all_backward_runs_where_the_input_needs_no_grad(ctx):
+    """send_counts alone: one rank's input needing a gradient makes every rank's backward run."""
+    _one_rank_without_grad(ctx)
+
+
+def test_all_to_all_backward_on_every_rank_without_check_mode():
+    """Check mode off, the need for a gradient rides on the counts exchange all the same."""
+    spawn(_one_rank_without_grad_unchecked, 3, timeout=60)
+
+
+def _one_rank_without_grad_unchecked() -> None:
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed() as ctx:
+        _one_rank_without_grad(ctx)
+
+
+@world_sizes(3, timeout=60)
+def test_given_counts_with_grad_on_one_rank_raise_in_check_mode(ctx):
+    """Both counts given (no exchange): check mode compares requires_grad instead of a hang."""
+    r = ctx.rank
+    x = _rows(r, 3).requires_grad_(r == 2)
+    with pytest.raises(pdist.RankMismatchError, match="requires_grad=True"):
+        pdist.all_to_all(ctx, x, [1, 1, 1], [1, 1, 1])
+    with pytest.raises(pdist.RankMismatchError, match="requires_grad=False"):
+        pdist.all_gather(ctx, x, dim=0, sizes=[3, 3, 3])
+    with pytest.raises(pdist.RankMismatchError, match="requires_grad"):
+        pdist.reduce_scatter(ctx, x, dim=0, sizes=[1, 1, 1])
+    out = pdist.all_to_all(ctx, x.detach().requires_grad_(), [1, 1, 1], [1, 1, 1])
+    out.sum().backward()  # alike on every rank: the group goes on
