@@ -1,0 +1,90 @@
+"""The docs as a newcomer meets them: the README's set-up, runnable snippets, the API page."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # NamedTuple and dataclass machinery look the module up
+    spec.loader.exec_module(module)
+    return module
+
+
+run_snippets = _tool("run_snippets")
+SNIPPETS = run_snippets.snippets(ROOT / "docs")
+
+
+def _commands(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_readme_set_up_is_two_commands_and_ci_runs_exactly_them():
+    """'Two commands on a fresh machine' is followed by a block of two; .ci/run runs them."""
+    readme = (ROOT / "README.md").read_text()
+    after = readme[readme.index("Two commands on a fresh machine") :]
+    block = re.search(r"```bash\n(.*?)```", after, re.DOTALL)
+    assert block is not None
+    commands = _commands(block[1].splitlines())
+    assert len(commands) == 2, commands
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = [c for c in _commands(ci) if not c.startswith(("set ", "cd ", "#!"))]
+    assert ci == commands
+
+
+def test_the_guides_have_runnable_snippets_that_compile():
+    """The recipe, the experts' and the layouts' guides each mark a complete program."""
+    pages = {s.page.name for s in SNIPPETS}
+    assert {"recipe-data-parallel.md", "experts.md", "layouts.md"} <= pages
+    for s in SNIPPETS:
+        compile(s.code, f"{s.page}:{s.line}", "exec")
+        assert "__name__" in s.code or "with pdist.distributed(" in s.code
+
+
+@pytest.mark.parametrize(
+    ("page", "line", "launcher"),
+    [(s.page.name, s.line, how) for s in SNIPPETS for how in s.launchers],
+)
+def test_a_runnable_snippet_runs_as_its_mark_says(page, line, launcher):
+    """Each marked snippet exits 0 under plain python and under torchrun, as marked."""
+    (snippet,) = [s for s in SNIPPETS if s.page.name == page and s.line == line]
+    assert run_snippets.run(snippet, launcher, timeout=240) is None
+
+
+def test_a_runnable_mark_must_sit_above_a_python_fence(tmp_path):
+    """A mark away from its snippet, or naming an unknown launcher, names page and line."""
+    (tmp_path / "a.md").write_text("<!-- runnable: python -->\ntext\n```python\npass\n```\n")
+    with pytest.raises(ValueError, match=r"a\.md:1: a runnable mark must sit right above"):
+        run_snippets.snippets(tmp_path)
+    (tmp_path / "a.md").write_text("<!-- runnable: srun 2 -->\n```python\npass\n```\n")
+    with pytest.raises(ValueError, match="unknown launcher 'srun 2'"):
+        run_snippets.snippets(tmp_path)
+
+
+def test_weight_sync_without_a_role_runs_both_jobs():
+    """Plain ``python examples/weight_sync.py`` starts the inference job itself; exits 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "weight_sync.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trainer: step 2" in done.stdout
+    assert "inference: step 2" in done.stdout
