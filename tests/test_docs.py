@@ -26,6 +26,7 @@ def _tool(name: str) -> ModuleType:
 
 
 run_snippets = _tool("run_snippets")
+check_api_page = _tool("check_api_page")
 SNIPPETS = run_snippets.snippets(ROOT / "docs")
 
 
@@ -73,6 +74,46 @@ def test_a_runnable_mark_must_sit_above_a_python_fence(tmp_path):
     (tmp_path / "a.md").write_text("<!-- runnable: srun 2 -->\n```python\npass\n```\n")
     with pytest.raises(ValueError, match="unknown launcher 'srun 2'"):
         run_snippets.snippets(tmp_path)
+
+
+def _page(tmp_path: Path, body: str) -> str:
+    (tmp_path / "api").mkdir(exist_ok=True)
+    (tmp_path / "api" / "index.html").write_text(f"<html><body>{body}</body></html>")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "Returns a :class:<code>Routed</code>.",
+        "as in :func:<code>all_reduce</code>",
+        "<p>Example::</p><pre>x = 1</pre>",
+        "<p>Example (on 2 ranks)::</p>",
+    ],
+)
+def test_check_api_page_refuses_raw_rest(tmp_path, raw, capsys):
+    """Sphinx roles and literal-block 'Example::' headers fail the check, named."""
+    assert check_api_page.main(_page(tmp_path, raw)) == 1
+    assert "the API page shows internals" in capsys.readouterr().out
+    assert check_api_page.main(_page(tmp_path, "<p>Example:</p><pre>x = 1</pre>")) == 0
+
+
+def test_the_built_api_page_passes_its_check(tmp_path):
+    """The real page: no raw roles, no Example::, and on_stall shows its value."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
+    assert check_api_page.main(str(site)) == 0
+    page = (site / "api" / "index.html").read_text()
+    assert "DEFAULT_ON_STALL" not in page
+    assert 'id="pdist._moe.Routed"' in page
 
 
 def test_weight_sync_without_a_role_runs_both_jobs():
