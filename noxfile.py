@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 from pathlib import Path
 
 import nox
@@ -55,7 +54,7 @@ def floor(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """Check lint and formatting with ruff."""
     session.install("ruff>=0.6")
-    paths = ["pdist", "tests", "examples", "benchmarks", "noxfile.py"]
+    paths = ["pdist", "tests", "examples", "benchmarks", "tools", "noxfile.py"]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
 
@@ -69,10 +68,16 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the documentation in strict mode; the API page must show no private name."""
+    """Build the docs strictly, check the API page, run the snippets marked runnable.
+
+    The API page must show no private name and no raw reST (Sphinx roles, ``Example::``);
+    every snippet marked ``<!-- runnable: ... -->`` runs as its mark says (``python``,
+    ``torchrun N``): see tools/run_snippets.py.
+    """
     _install(session, "docs")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
     session.run("python", "tools/check_api_page.py", "site")
+    session.run("python", "tools/run_snippets.py", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
@@ -84,10 +89,6 @@ def bench(session: nox.Session) -> None:
         session.run("python", "-m", "benchmarks.stall", *args)
         return
     session.run("python", "-m", "pdist", "bench", *session.posargs)
-
-
-# Examples that run as two jobs (a trainer and an inference engine): both are started.
-TWO_JOBS = {"weight_sync": ("--role", "trainer", "--role", "inference")}
 
 
 def _torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
@@ -108,27 +109,12 @@ def _torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
 def examples(session: nox.Session) -> None:
     """Run the examples on CPU ranks under torchrun, 2 unless NPROC says (pass names to pick).
 
-    A two-job example (``weight_sync``) starts its first job in the background and its
-    second in the foreground; both must succeed.
+    ``weight_sync`` is two jobs: run without ``--role``, its trainer starts the inference job.
     """
     _install(session)
-    names = session.posargs or EXAMPLES
-    env = {"OMP_NUM_THREADS": "1"}
-    for name in names:
-        script = f"examples/{name}.py"
-        if name not in TWO_JOBS:
-            session.run(*_torchrun(script, nproc=NPROC.get(name, 2)), env=env)
-            continue
-        first, second = TWO_JOBS[name][:2], TWO_JOBS[name][2:]
-        command = _torchrun(script, *first)
-        command[0] = os.path.join(session.bin, "torchrun")  # the session's, not PATH's
-        background = subprocess.Popen(command, env={**os.environ, **env})
-        try:
-            session.run(*_torchrun(script, *second), env=env)
-        finally:
-            rc = background.wait(timeout=300)
-        if rc != 0:
-            session.error(f"{name} {' '.join(first)} exited with status {rc}")
+    for name in session.posargs or EXAMPLES:
+        command = _torchrun(f"examples/{name}.py", nproc=NPROC.get(name, 2))
+        session.run(*command, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

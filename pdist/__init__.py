@@ -1,7 +1,7 @@
 """pdist: functional, stateless PyTorch distributed helpers.
 
-``with pdist.distributed(tp=2) as ctx:`` yields a frozen :class:`DistContext`;
-pure functions take the context or one of its :class:`Group` values.
+``with pdist.distributed(tp=2) as ctx:`` yields a frozen [`DistContext`][pdist.DistContext];
+pure functions take the context or one of its [`Group`][pdist.Group] values.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m pdist``: the command line, :func:`pdist.cli.main`."""
+"""``python -m pdist``: the command line, ``pdist.cli.main``."""
 
 from pdist.cli import main
 

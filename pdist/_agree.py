@@ -1,10 +1,10 @@
 """Fail together: the primitives every feature builds on, written once.
 
 Every feature that crosses ranks checks locally, then the ranks agree that they
-can go on, then data moves. :func:`status` is one small all-gather over the CPU
+can go on, then data moves. ``status`` is one small all-gather over the CPU
 group: when a rank failed, every rank raises the same error naming it, so nobody
 is left waiting in the transfer that would have followed; with a summary it
-also compares a digest. :func:`tell` and :func:`hear` do the same for the two
+also compares a digest. ``tell`` and ``hear`` do the same for the two
 ends of a point-to-point transfer. Failures travel as fixed-size marker slots.
 """
 
@@ -140,7 +140,7 @@ def raise_own(
 
 
 def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
-    """Tell group index ``peer`` (in :func:`hear`) whether this end can go on; raises if not."""
+    """Tell group index ``peer`` (in ``hear``) whether this end can go on; raises if not."""
     with naming(group, what):
         _rooted.send_to(_slot(group.rank, error), group.cpu_group, peer)
     if error is not None:
@@ -148,7 +148,7 @@ def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> 
 
 
 def hear(group: Group, peer: int, *, what: str) -> None:
-    """Hear from group index ``peer`` (:func:`tell`) whether it could go on; raises if not."""
+    """Hear from group index ``peer`` (``tell``) whether it could go on; raises if not."""
     slot = torch.empty(_SLOT, dtype=torch.uint8)
     with naming(group, what):
         _rooted.recv_from(slot, group.cpu_group, peer)

@@ -1,7 +1,7 @@
 """Staging memory: every buffer pdist sends from or receives into, and tensors as bytes.
 
-All come from :func:`allocate`, so that a failed allocation is one kind of
-failure everywhere (a :class:`~pdist.PdistError`), and tests can make one fail.
+All come from ``allocate``, so that a failed allocation is one kind of
+failure everywhere (a [`PdistError`][pdist.PdistError]), and tests can make one fail.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGN`."""
+    """``n`` rounded up to a multiple of ``ALIGN``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -48,7 +48,7 @@ def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") -> torch.Tensor:
-    """A fresh uninitialized uint8 buffer of ``nbytes`` on ``device``, or a :class:`PdistError`.
+    """A fresh uninitialized uint8 buffer of ``nbytes`` on ``device``, or a ``PdistError``.
 
     Large CPU ones are backed by transparent huge pages: glibc maps large blocks fresh, and
     their first write faults per 4 KiB page (as costly as the transfer, ``pdist bench``).
@@ -72,7 +72,7 @@ def allocate(nbytes: int, device: torch.device = _CPU, *, what: str = "data") ->
 def slab(
     sizes: Sequence[int], device: torch.device, *, what: str
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One allocation (:func:`allocate`), and buffers of ``sizes`` bytes carved from it."""
+    """One allocation (``allocate``), and buffers of ``sizes`` bytes carved from it."""
     starts, total = offsets(sizes)
     whole = allocate(total, device, what=what)
     return whole, [whole[o : o + n] for o, n in zip(starts, sizes, strict=True)]

@@ -3,11 +3,11 @@
 A collective whose ranks pass different shapes or dtypes does not always fail: on
 gloo, one rank may abort ("16 vs 12") while another returns a tensor with a
 zero-filled hole and carries on. With check mode on (``distributed(check=True)`` or
-``PDIST_CHECK=1``, kept in the block's :class:`~pdist._group.Lifetime`) every
+``PDIST_CHECK=1``, kept in the block's ``Lifetime``) every
 pdist tensor collective first compares a one-line summary of its call (op, shape,
 dtype, dim, counts) through one small all-gather on the CPU group
-(:func:`pdist._agree.check_same`: the summaries themselves travel only when they
-differ), and a difference raises the same :class:`~pdist.RankMismatchError` on every
+(``pdist._agree.check_same``: the summaries themselves travel only when they
+differ), and a difference raises the same [`RankMismatchError`][pdist.RankMismatchError] on every
 rank, naming the ranks and what each passed. The price is that round trip per call
 (``pdist bench``'s "check mode" cases), which is why it is off by default: on 2 gloo
 ranks of a loaded 2-core machine, 0.8-1.7 ms more per call (a 4 KiB all_reduce 1.7 ms
@@ -71,7 +71,7 @@ def agree_call(group: Group, name: str, x: torch.Tensor, /, **fields: object) ->
 def agree_args(
     group: Group, name: str, tensor: str, error: BaseException | None, /, **fields: object
 ) -> None:
-    """:func:`agree_call` for a described ``tensor``, carrying this rank's argument ``error``.
+    """``agree_call`` for a described ``tensor``, carrying this rank's argument ``error``.
 
     In check mode a rank whose local checks failed (``error``) makes every rank raise
     that error (the first failing rank's, naming it), in the same one small all-gather
@@ -97,7 +97,7 @@ def checked(
 ) -> list[Any]:
     """This rank's argument ``checks`` of collective ``name``, run: their results, in order.
 
-    In check mode a failing rank joins the agreement its peers wait in (:func:`agree_args`),
+    In check mode a failing rank joins the agreement its peers wait in (``agree_args``),
     so that they raise its error too, instead of pairing that agreement with its next
     call; ``agree=False``: a local op, which its peers do not agree on. (Callables, not a
     ``with`` block: torch.compile before 2.7 cannot trace one.)

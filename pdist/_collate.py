@@ -35,7 +35,7 @@ class EvalSampler(Sampler[int]):
     """Give rank ``r`` of ``group`` the indices ``r, r + W, r + 2W, ...`` (``W`` = group size).
 
     Unlike ``torch.utils.data.DistributedSampler`` it never pads with duplicates, so
-    metrics over the outputs :func:`collate_batches` gathers are exact.
+    metrics over the outputs [`collate_batches`][pdist.collate_batches] gathers are exact.
 
     Args:
         dataset: Anything with a ``len()``.
@@ -194,7 +194,7 @@ def _local(batches: Any, device: torch.device) -> _Local:
 
 
 def _alike(leaves: list[torch.Tensor], like: list[tuple[Any, ...]]) -> bool:
-    """A few cheap checks that a batch's leaves are like batch 0's (else :func:`_check_batch`)."""
+    """A few cheap checks that a batch's leaves are like batch 0's (else ``_check_batch``)."""
     count = None
     for t, (kind, dtype, layout, cpu, device, shape) in zip(leaves, like, strict=True):
         if type(t) is not kind or t.is_nested:  # a nested tensor raises when its shape is read
@@ -313,7 +313,7 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
 
     ``batches`` is this rank's list of per-batch outputs (a tensor, or nested
     dicts/lists/tuples of tensors, sample dimension first) from an
-    :class:`EvalSampler` over ``group``; a rank with no samples passes ``[]``.
+    [`EvalSampler`][pdist.EvalSampler] over ``group``; a rank with no samples passes ``[]``.
     Leaves are dense tensors on the CPU or on the group's device; dict keys are
     str, int, float, bool, None or tuples of them.
 
@@ -471,7 +471,7 @@ def _layout(specs: list[_Leaf], run: list[int]) -> tuple[int, int, list[tuple[in
 
 
 def _pack(call: _Call, run: list[int], mine: torch.Tensor) -> None:
-    """This rank's batches of each leaf of ``run``, placed in ``mine`` as :func:`_layout` says.
+    """This rank's batches of each leaf of ``run``, placed in ``mine`` as ``_layout`` says.
 
     The bytes no sample fills are zeroed: the wire never carries stale process memory.
     """
@@ -547,7 +547,7 @@ def _regions(call: _Call, memory: _Memory) -> Iterator[tuple[str, list[int], tor
 
 
 def _gather_leaves(g: Group, call: _Call, memory: _Memory) -> list[torch.Tensor]:
-    """Every leaf gathered in dataset order, in ``memory`` reserved by :func:`_reserve`."""
+    """Every leaf gathered in dataset order, in ``memory`` reserved by ``_reserve``."""
     gathered: dict[int, torch.Tensor] = {}
     for i, spec in enumerate(call.specs):
         if not (call.rows and spec.nbytes):  # nothing to move, e.g. a [N, 0] leaf

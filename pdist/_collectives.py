@@ -1,7 +1,7 @@
 """Tensor collectives on a Group: one runner over a table of specs.
 
-Each out-of-place collective is a :class:`_Spec` in ``_SPECS``, and
-:func:`_collective` runs every one the same way: check the arguments, return
+Each out-of-place collective is a ``_Spec`` in ``_SPECS``, and
+``_collective`` runs every one the same way: check the arguments, return
 ``x`` on a one-rank group, go through one autograd Function where a gradient is
 wanted, then run the traced form or the eager launch (``_launches``).
 """
@@ -283,9 +283,10 @@ def all_reduce(
 
     Args:
         group: The group (a ``DistContext`` means its ``world``).
-        x: This rank's tensor; left unchanged (:func:`all_reduce_` saves the clone).
+        x: This rank's tensor; left unchanged ([`all_reduce_`][pdist.all_reduce_] saves the clone).
         op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` (real dtypes) or ``"product"``;
-            the first two are differentiable. Mind that :func:`reduce` defaults to ``"mean"``.
+            the first two are differentiable. Mind that [`reduce`][pdist.reduce] defaults to
+            ``"mean"``.
         async_op: Return at once a tensor that waits on first use (torch's
             ``AsyncCollectiveTensor``); use it inside the ``distributed()`` block.
 
@@ -296,13 +297,14 @@ def all_reduce(
 
 
 def all_reduce_(group: Group | DistContext, x: torch.Tensor, *, op: str = "sum") -> torch.Tensor:
-    """Reduce ``x`` over the group in place (``op`` as in :func:`all_reduce`); returns ``x``.
+    """Reduce ``x`` over the group in place (``op`` as in ``all_reduce``); returns ``x``.
 
     Note:
         All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
-        ValueError: ``x`` requires grad while gradients are enabled (use :func:`all_reduce`).
+        ValueError: ``x`` requires grad while gradients are enabled (use
+            [`all_reduce`][pdist.all_reduce]).
     """
     g = as_group(group)
     refuse = functools.partial(_refuse_grad, g, x, "all_reduce_", "all_reduce")
@@ -321,7 +323,8 @@ def all_gather(
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group order; every rank gets it.
 
-    Differentiable (the gradient is reduce-scattered); ``async_op`` as in :func:`all_reduce`.
+    Differentiable (the gradient is reduce-scattered); ``async_op`` as in
+    [`all_reduce`][pdist.all_reduce].
 
     ``sizes``: each rank's size along ``dim``, for uneven shards (one all-to-all of
     rows; every rank passes the same list, and the caller vouches for the other ranks'
@@ -350,7 +353,8 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
         All ranks of the group must call it with tensors of the same shape and dtype.
 
     Returns:
-        A *list*, one tensor per rank (:func:`all_gather` returns their concatenation).
+        A *list*, one tensor per rank ([`all_gather`][pdist.all_gather] returns their
+        concatenation).
     """
     g = as_group(group)
     _check.checked(g, "all_gather_tensor", x, lambda: _check_tensor(x))
@@ -375,8 +379,8 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Reduce ``x`` over the group; rank ``r`` gets chunk ``r`` along ``dim``.
 
-    The inverse of :func:`all_gather`; ``op`` and ``async_op`` as in :func:`all_reduce`
-    (``"sum"`` and ``"mean"`` are differentiable).
+    The inverse of [`all_gather`][pdist.all_gather]; ``op`` and ``async_op`` as in
+    [`all_reduce`][pdist.all_reduce] (``"sum"`` and ``"mean"`` are differentiable).
 
     Note:
         All ranks of the group must call it with tensors of the same shape and dtype.
@@ -438,7 +442,8 @@ def reduce(
 ) -> torch.Tensor | None:
     """Reduce ``x`` (``"sum"`` or ``"mean"``) onto group index ``dst``, out of place.
 
-    Mind the default: ``"mean"`` here, while :func:`all_reduce` and torch's ``reduce`` sum.
+    Mind the default: ``"mean"`` here, while [`all_reduce`][pdist.all_reduce] and torch's
+    ``reduce`` sum.
 
     Note:
         All ranks of the group must call it with tensors of the same shape and dtype.
@@ -472,7 +477,7 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
         All ranks of the group must call it with tensors of the same shape and dtype.
 
     Raises:
-        ValueError: ``x`` is not contiguous (:func:`broadcast_` takes any layout).
+        ValueError: ``x`` is not contiguous ([`broadcast_`][pdist.broadcast_] takes any layout).
     """
     g = as_group(group)
     _check.checked(
@@ -515,10 +520,10 @@ def all_to_all_4d(
 
     Splits ``scatter_dim`` among the ranks and concatenates along ``gather_dim``:
     ``[B, S/P, H, D] -> [B, S, H/P, D]`` with the defaults, ``scatter_dim=1,
-    gather_dim=2`` the way back. Differentiable; ``async_op`` as in :func:`all_reduce`.
-    The defaults assume ``[B, S, H, D]`` (flash-attn), while
-    :func:`ulysses_attention` defaults to SDPA's ``"bhsd"``: for ``[B, H, S, D]`` pass
-    ``scatter_dim=1, gather_dim=2``.
+    gather_dim=2`` the way back. Differentiable; ``async_op`` as in
+    [`all_reduce`][pdist.all_reduce]. The defaults assume ``[B, S, H, D]`` (flash-attn), while
+    [`ulysses_attention`][pdist.ulysses_attention] defaults to SDPA's ``"bhsd"``: for
+    ``[B, H, S, D]`` pass ``scatter_dim=1, gather_dim=2``.
 
     Note:
         All ranks of the group must call it with tensors of the same shape and dtype.
@@ -549,7 +554,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
     Note:
-        The destination must call :func:`recv` with the same shape and
+        The destination must call [`recv`][pdist.recv] with the same shape and
         dtype. If that ``recv`` fails its checks, this call waits for the group
         timeout (the object functions carry a failure to the peer).
     """
@@ -571,7 +576,7 @@ def recv(
     ``shape`` is a tensor shape or an int size, as ``torch.empty`` takes.
 
     Note:
-        The source must call :func:`send` with a tensor of this shape and
+        The source must call [`send`][pdist.send] with a tensor of this shape and
         dtype. If this call fails its checks, the ``send`` waits for the group
         timeout (the object functions carry a failure to the peer).
 

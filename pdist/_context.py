@@ -49,7 +49,7 @@ def probe_accelerator() -> _env.Accelerator | None:
 
 
 class _Distributed:
-    """The single-use context manager returned by :func:`distributed`."""
+    """The single-use context manager returned by [`distributed`][pdist.distributed]."""
 
     def __init__(self, settings: _env.Settings, store: Store | None) -> None:
         self._settings = settings
@@ -318,20 +318,20 @@ def distributed(
     local_rank: int | None = None,
     cpu_affinity: bool = True,
 ) -> contextlib.AbstractContextManager[DistContext]:
-    """Set up torch.distributed and the parallel groups; yield a frozen :class:`DistContext`.
+    """Set up torch.distributed and the parallel groups; yield a frozen ``DistContext``.
 
     Works under torchrun, SLURM's ``srun`` and plain ``python script.py`` (one
     rank); arguments are validated at the call, identically on every rank. The
     start-up runs under ``startup_timeout`` (a stalled one ends every waiting rank
-    with :data:`~pdist.WORLD_COMM_TIMEOUT_EXIT_CODE`, naming the ranks that never
-    checked in); inside the block the stall watch reports a collective that waits
+    with [`WORLD_COMM_TIMEOUT_EXIT_CODE`][pdist.WORLD_COMM_TIMEOUT_EXIT_CODE], naming the ranks
+    that never checked in); inside the block the stall watch reports a collective that waits
     too long. An initialized default group is adopted and left alone. On exit it
     destroys exactly the groups it created (no collective) and restores the device,
     CPU affinity, L2 fetch granularity and environment it changed. Single-use;
     blocks may follow each other in one job. A rank leaving the block through an
     exception (``sys.exit`` included) first records a one-line summary of it in the
     rendezvous store, so that the ranks it leaves waiting in a collective name it
-    (a :class:`~pdist.PdistError` from a pdist collective; a line on stderr when their
+    (a [`PdistError`][pdist.PdistError] from a pdist collective; a line on stderr when their
     own exception leaves the block).
 
     What it changes in the process, and what turns each off:
@@ -343,7 +343,7 @@ def distributed(
       flight recorder's size, where unset) for the block; ``stall_timeout=0`` starts none.
     - ``gc.collect()`` on exit, before the groups are destroyed (cycles holding a
       process group abort torch 2.13 with gloo at exit); always.
-    - While a :func:`~pdist.message_queue` is open, a SIGTERM handler that removes its
+    - While a [`message_queue`][pdist.message_queue] is open, a SIGTERM handler that removes its
       shared-memory segment, then ends the process as the default action would; only
       where SIGTERM has its default action: install your own handler to keep it off.
 
@@ -379,10 +379,10 @@ def distributed(
             the watch off.
         on_stall: ``"report"``: log the report (``pdist`` logger, ERROR) and keep waiting;
             ``"exit"``: log it, then every answering rank exits with
-            :data:`~pdist.STALL_EXIT_CODE`. Default ``"report"``, or ``PDIST_ON_STALL``.
+            [`STALL_EXIT_CODE`][pdist.STALL_EXIT_CODE]. Default ``"report"``, or ``PDIST_ON_STALL``.
         check: Check mode: every pdist tensor collective first agrees on its op, shapes,
             dtypes and dims through one small all-gather on the CPU group, and a difference
-            raises :class:`~pdist.RankMismatchError` on every rank naming each rank's
+            raises [`RankMismatchError`][pdist.RankMismatchError] on every rank naming each rank's
             shapes and dtypes, instead of a backend error on one rank and a wrong tensor on
             another. It costs that round trip per call (``pdist bench``'s "check mode"
             cases: about 2x a small gloo all_reduce): on in tests and while debugging, off
@@ -397,7 +397,7 @@ def distributed(
         cpu_affinity: On CUDA, pin this process to the CPUs near its GPU (NVML).
 
     Returns:
-        A single-use context manager yielding the :class:`DistContext`.
+        A single-use context manager yielding the [`DistContext`][pdist.DistContext].
 
     Raises:
         TypeError: A size that is no int (or a bool), ``axes`` that is no mapping.

@@ -5,7 +5,7 @@ sit in a collective that then fails with the backend's "Connection closed by pee
 which names no rank. Before its communicators go, the leaving rank writes one line
 to the block's rendezvous store: its rank, the exception's type and message, and
 the user's frame (``train.py:57 in load_batch``). A survivor whose pdist collective
-fails reads those lines and raises a :class:`~pdist.PdistError` naming the rank
+fails reads those lines and raises a [`PdistError`][pdist.PdistError] naming the rank
 that left, chained to torch's error; for collectives pdist does not run (DDP's
 buckets, a raw ``dist.all_reduce``) the same line is printed when the survivor's
 exception leaves its block. Every store access runs on its own connection in a
@@ -101,7 +101,7 @@ def bounded(fn: Callable[[], T], seconds: float = _WAIT, name: str = "pdist-exit
 
 
 def _connection(store: Store) -> Store:
-    """A connection of its own, whose connect and reads give up within :data:`_STORE_TIMEOUT`."""
+    """A connection of its own, whose connect and reads give up within ``_STORE_TIMEOUT``."""
     if isinstance(store, TCPStore):  # a client that does not retry a gone server for 30 min
         timeout = timedelta(seconds=_STORE_TIMEOUT)
         return TCPStore(
@@ -202,7 +202,7 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
 
 @contextlib.contextmanager
 def naming(group: Group, what: str) -> Iterator[None]:
-    """Collectives of ``what`` whose failure raises as :func:`explained`'s error, if any.
+    """Collectives of ``what`` whose failure raises as ``explained``'s error, if any.
 
     Wrap only communicator calls: a local ``RuntimeError`` would start a roll call, and
     its peers, still in the collective, would not answer it.

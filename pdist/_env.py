@@ -1,6 +1,6 @@
-"""Launcher detection and ``PDIST_*`` settings, resolved into one frozen :class:`Settings`.
+"""Launcher detection and ``PDIST_*`` settings, resolved into one frozen ``Settings``.
 
-:func:`resolve_settings` is pure: ``distributed()``'s arguments, the environment and
+``resolve_settings`` is pure: ``distributed()``'s arguments, the environment and
 the machine's accelerator (probed elsewhere) become one value, so every rule is tested
 without processes. A duration setting that is not a finite non-negative number falls back
 to its default, with a warning naming the variable: a typo must never disarm a timeout.
@@ -394,7 +394,7 @@ def _off_or_seconds(value: float | timedelta, name: str) -> float | None:
 def deadline_seconds(
     value: float | timedelta | None, name: str, environ: Mapping[str, str] | None = None
 ) -> float | None:
-    """A deadline argument as seconds, or None (forever): None reads :func:`world_comm_timeout`."""
+    """A deadline argument as seconds, or None (forever): None reads ``world_comm_timeout``."""
     return world_comm_timeout(environ) if value is None else _off_or_seconds(value, name)
 
 
@@ -492,7 +492,7 @@ def resolve_layout(
     Raises:
         TypeError: A size that is no int, or ``axes`` that is no mapping of str to int.
         ValueError: ``axes=`` beside a ``tp``/``sp``/``cp``/``pp`` keyword, or sizes that
-            do not fit the world (see :func:`~pdist._layout.make_layout`).
+            do not fit the world (see ``make_layout``).
     """
     if axes is None:
         return make_layout(world_size, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep)
@@ -537,7 +537,7 @@ def resolve_settings(
     accelerator: Accelerator | None = None,
     adopted: Adopted | None = None,
 ) -> Settings:
-    """``distributed()``'s arguments and the environment as :class:`Settings` (pure).
+    """``distributed()``'s arguments and the environment as ``Settings`` (pure).
 
     Besides ``distributed()``'s: ``store_given`` (a store was passed in), ``accelerator``
     (None on a CPU-only machine) and ``adopted`` (the initialized default group, if any).

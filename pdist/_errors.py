@@ -2,7 +2,7 @@
 
 A rank that fails while preparing its part of a collective sends an *error
 marker*: a struct (its rank, the error's type name) and the error's text, never
-a pickle. Every peer raises a :class:`RemoteError` naming that rank; the failing
+a pickle. Every peer raises a ``RemoteError`` naming that rank; the failing
 rank raises one that is also of its own error's type, chained to it, so code
 that catches the original type (as it would with torch) still does.
 """

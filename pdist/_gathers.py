@@ -181,7 +181,7 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
         group: The group (a context means its world).
         obj: This rank's picklable object.
         safe: Unpickle the other ranks' objects through an allow-list (see
-            :func:`~pdist.broadcast_object`).
+            [`broadcast_object`][pdist.broadcast_object]).
 
     Returns:
         ``[object of group index 0, object of group index 1, ...]``.
@@ -262,7 +262,7 @@ def gather_object(
         obj: This rank's picklable object.
         dst: Group index of the destination (the same valid index on every rank).
         safe: Destination only: unpickle through an allow-list (see
-            :func:`~pdist.broadcast_object`).
+            [`broadcast_object`][pdist.broadcast_object]).
 
     Returns:
         On ``dst``, ``[object of group index 0, ...]``; None on the other ranks.

@@ -16,7 +16,7 @@ __all__ = ["GraphCaptureContext", "graph_capture"]
 
 @attrs.frozen
 class GraphCaptureContext:
-    """What :func:`graph_capture` yields: the stream the block runs on (None on CPU)."""
+    """What ``graph_capture`` yields: the stream the block runs on (None on CPU)."""
 
     stream: Any
 
@@ -28,12 +28,13 @@ def graph_capture(group: Group | DistContext, stream: Any = None) -> Iterator[Gr
     On CUDA, ``stream`` (default: a new one on the group's device) is the current
     stream in the block; on CPU the block runs as is and the ``stream`` is None.
 
-    Example::
-
+    Example:
+        ```python
         with pdist.graph_capture(ctx.tp) as capture:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=capture.stream):
                 out = model(static_input)
+        ```
     """
     g = as_group(group)
     if g.device.type != "cuda":

@@ -102,7 +102,7 @@ class Lifetime:
         self._owns_default = True
 
     def check_open(self) -> None:
-        """Raise :class:`~pdist.PdistError` when the block has exited."""
+        """Raise [`PdistError`][pdist.PdistError] when the block has exited."""
         if self.closed:
             msg = (
                 "this pdist context is closed: its process groups were destroyed when the "
@@ -273,8 +273,8 @@ CONTEXT_GROUPS = ("world", "node", "pp", "dp", "cp", "sp", "tp", "dp_sp", "ep", 
 class DistContext:
     """Everything a rank needs, frozen; derive variants with ``attrs.evolve``.
 
-    Every axis of the layout has a group (:attr:`axes`); ``pp``, ``dp``, ``cp``, ``sp``
-    and ``tp`` are also fields, a one-rank group where the layout lacks that axis.
+    Every axis of the layout has a group ([`axes`][pdist.DistContext.axes]); ``pp``, ``dp``,
+    ``cp``, ``sp`` and ``tp`` are also fields, a one-rank group where the layout lacks that axis.
 
     Attributes:
         rank: Global rank.
@@ -282,7 +282,9 @@ class DistContext:
         local_rank: Index of this process on its host (from the launcher).
         device: The device this rank is bound to.
         backend: Backend of the device groups (``"gloo"``, ``"nccl"``, ...).
-        layout: The axes of the job, slowest first (pure rank arithmetic).
+        layout: The axes of the job, slowest first (pure rank arithmetic, to read):
+            ``layout.axes`` the ``(name, size)`` pairs, ``layout.names`` the names,
+            ``layout.axis_size(name)`` one size (1 for an axis it lacks).
         world: All ranks.
         node: The ranks on this host (found through shared memory).
         pp: Pipeline-parallel group (the ranks of one pipeline "column", one per stage).
@@ -341,7 +343,7 @@ class DistContext:
 def as_group(group: Group | DistContext, *, name: str = "group") -> Group:
     """The group a collective runs on: a ``Group`` itself, or a context's ``world``.
 
-    Raises :class:`~pdist.PdistError` once its block has exited, a one-rank group's too
+    Raises [`PdistError`][pdist.PdistError] once its block has exited, a one-rank group's too
     (no process group would tell), except while torch.compile traces: a graph compiled
     then gets the op that raises when it runs.
     """

@@ -143,7 +143,7 @@ class Deadline:
         return generation
 
     def disarm(self) -> float:
-        """Stop the watchdog; returns the seconds since :meth:`arm` (warns if past the deadline)."""
+        """Stop the watchdog; returns the seconds since ``arm`` (warns if past the deadline)."""
         self._done.set()
         if self._thread is not None:
             self._thread.join()
@@ -251,7 +251,8 @@ def world_comm_guard(ctx: DistContext, timeout: float | timedelta | None = None)
     Args:
         ctx: The context.
         timeout: Seconds or ``timedelta``; ``0`` waits forever; None reads
-            :func:`world_comm_timeout` (``PDIST_WORLD_COMM_TIMEOUT_SEC``, default 600).
+            [`world_comm_timeout`][pdist.world_comm_timeout] (``PDIST_WORLD_COMM_TIMEOUT_SEC``,
+            default 600).
 
     Raises:
         PdistError: The probe's sum is wrong (a broken communicator).

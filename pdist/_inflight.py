@@ -2,7 +2,7 @@
 
 torch's flight recorder records every collective, but not gloo's on torch 2.6
 and never gloo's point-to-point ones; the stall watch (``_stall``) then reads
-this record instead. It sits below the transports, which :func:`recorded`
+this record instead. It sits below the transports, which ``recorded``
 decorates, and knows groups only by their attributes (``name``, ``ranks``,
 ``lifetime``), so that it imports nothing of pdist's but ``_compat``.
 """
@@ -24,7 +24,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class InFlight:
-    """The calls of one block, kept by :func:`recorded` while :attr:`active` (the watch is on).
+    """The calls of one block, kept by ``recorded`` while ``active`` (the watch is on).
 
     ``current`` is the innermost call in flight, ``(group key, op, seq, sizes,
     dtype, start ns)``; ``entered`` counts the calls per group key (pdist's own
@@ -51,7 +51,7 @@ class InFlight:
             self.entered.setdefault(self.key(group), 0)
 
     def enter(self, group: Any, op: str, first: object) -> tuple[Any, ...] | None:
-        """Record that ``op`` started on ``group``; returns what :meth:`leave` restores."""
+        """Record that ``op`` started on ``group``; returns what ``leave`` restores."""
         key = self.key(group)
         seq = self.entered.get(key, 0) + 1
         self.entered[key] = seq
@@ -65,7 +65,7 @@ class InFlight:
         return outer
 
     def leave(self, outer: tuple[Any, ...] | None) -> None:
-        """Record that the innermost call ended; ``outer`` is what :meth:`enter` returned."""
+        """Record that the innermost call ended; ``outer`` is what ``enter`` returned."""
         if self.current is not None:
             self.finished[self.current[0]] = self.current
         self.current = outer

@@ -1,7 +1,7 @@
 """How each tensor collective runs: eagerly, as a ``Launched``, or traced.
 
 An eager launch gives the result, torch's work and maybe a finishing step;
-:func:`result` waits for it now or returns a tensor that waits on first use.
+``result`` waits for it now or returns a tensor that waits on first use.
 Traced forms call torch's functional ops (they keep their process groups alive,
 so they are used only while tracing).
 """

@@ -8,7 +8,7 @@ any order. This table of axes is the only place an axis is declared: the groups 
 at start-up, ``DistContext.axes``, ``device_mesh`` and the stall watch all read it.
 
 Every group is "the ranks sharing every coordinate but those of some axes" (a
-*flattening*: one axis, ``dp_sp``, :func:`pdist.flatten`), or an expert group (``ep``,
+*flattening*: one axis, ``dp_sp``, [`pdist.flatten`][pdist.flatten]), or an expert group (``ep``,
 ``edp``: blocks of consecutive ranks within a pipeline stage). A partition into such
 groups is built from two sorted offset lists in O(W) time and memory, never W x W.
 """
@@ -71,7 +71,7 @@ def _product(values: Iterable[int]) -> int:
 
 @attrs.frozen(kw_only=True)
 class Layout:
-    """The axes of a world, slowest first; build it with :func:`make_layout`.
+    """The axes of a world, slowest first; build it with ``make_layout``.
 
     Attributes:
         world_size: The number of ranks.
@@ -285,7 +285,7 @@ class Layout:
     def mesh(self, names: Sequence[str], rank: int) -> tuple[tuple[int, ...], Ranks]:
         """The caller's sub-mesh over the group kinds ``names``: its shape and ranks, row-major.
 
-        ``names`` passed :meth:`mesh_names`. Along each dim lie the caller's group of that
+        ``names`` passed ``mesh_names``. Along each dim lie the caller's group of that
         kind; the caller's other coordinates stay fixed.
         """
         coords = self.coords(rank)

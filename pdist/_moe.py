@@ -1,11 +1,11 @@
 """Expert parallelism: send each token to the ranks of its top-K experts and back.
 
 Experts are spread evenly over the group: expert ``e`` lives on group index
-``e // (num_experts // P)``. :func:`moe_dispatch` sorts the ``T * K`` (token,
+``e // (num_experts // P)``. [`moe_dispatch`][pdist.moe_dispatch] sorts the ``T * K`` (token,
 expert) pairs by expert, exchanges the per-expert counts (one small all-to-all
 over the CPU group, which also carries any rank's argument error), then moves
 the rows with one data all-to-all and regroups them by local expert, the layout
-a grouped GEMM wants. :func:`moe_combine` runs the way back with the counts
+a grouped GEMM wants. [`moe_combine`][pdist.moe_combine] runs the way back with the counts
 already known and sums each token's K outputs, weighted. Both are plain
 autograd compositions of the differentiable row all-to-all, so tokens, expert
 outputs and router weights all get their gradients.
@@ -37,6 +37,10 @@ class Counts(tuple[int, ...]):
 @attrs.frozen(kw_only=True)
 class Routed:
     """The rows this rank's experts process, and how to send their outputs back.
+
+    [`moe_dispatch`][pdist.moe_dispatch] returns it and [`moe_combine`][pdist.moe_combine]
+    takes it; read ``tokens`` and ``counts``, and hand the rest back unchanged (the type
+    is not exported: nothing outside pdist builds one).
 
     Attributes:
         tokens: ``[N, H]``, grouped by local expert (local expert 0's rows first).
@@ -132,11 +136,14 @@ def moe_dispatch(
     travels with the counts, and then every rank records the backward (its
     ``routed.tokens`` requires grad), so every rank's backward runs its all-to-all.
 
-    Example (experts as one linear layer each)::
+    Example:
+        Experts as one linear layer each:
 
+        ```python
         routed = pdist.moe_dispatch(ctx.ep, x, topk_ids, num_experts=8)
         outs = [experts[i](rows) for i, rows in enumerate(routed.tokens.split(routed.counts))]
         y = pdist.moe_combine(routed, torch.cat(outs), topk_weights)  # [T, H']
+        ```
 
     Note:
         All ranks of the group must call it, with the same ``num_experts``
@@ -163,9 +170,10 @@ def moe_dispatch(
         num_experts: The number of experts, a multiple of the group size.
 
     Returns:
-        A :class:`Routed`: ``tokens`` ``[N, H]`` for this rank's
-        ``num_experts // P`` experts, grouped by local expert (in each expert's
-        block the rows of rank 0's tokens first, in token order), and ``counts``.
+        What this rank's ``num_experts // P`` experts process, a
+        [`Routed`][pdist._moe.Routed]: its ``tokens``, ``[N, H]``, grouped by local
+        expert (in each expert's block the rows of rank 0's tokens first, in token
+        order), and its ``counts``, the rows per local expert.
 
     Raises:
         ValueError: ``num_experts`` is not a multiple of the group size, ids out of
@@ -249,8 +257,8 @@ def moe_combine(
     counts are the dispatch's).
 
     Note:
-        All ranks of the group must call it with the :class:`Routed` their
-        :func:`moe_dispatch` returned, and outputs of one width and dtype.
+        All ranks of the group must call it with the [`Routed`][pdist._moe.Routed] their
+        [`moe_dispatch`][pdist.moe_dispatch] returned, and outputs of one width and dtype.
 
     Note:
         Its backward reaches :func:`moe_dispatch`'s on every rank whenever the
@@ -270,7 +278,7 @@ def moe_combine(
         ``PDIST_CHECK=1``) verifies them first and raises on every rank.
 
     Args:
-        routed: What :func:`moe_dispatch` returned on this rank.
+        routed: What [`moe_dispatch`][pdist.moe_dispatch] returned on this rank.
         expert_out: ``[N, H']``, one output row per row of ``routed.tokens``, same order.
         weights: ``[T, K]``, each (token, expert) pair's weight (router
             probabilities); None: a plain sum.

@@ -164,7 +164,7 @@ class _Watch:
 
 
 class _MessageQueue:
-    """One rank's :class:`~pdist._group.HeaderTransport`: the writer (group index 0) or a reader."""
+    """One rank's ``HeaderTransport``: the writer (group index 0) or a reader."""
 
     def __init__(self, group: Group, region: Any, atomics: _Atomics, idle: float | None, pids: Any):
         self._g, self._region, self._idle = group, region, idle
@@ -555,8 +555,8 @@ def message_queue(
 ) -> Iterator[Group]:
     """Yield a copy of ``group`` whose object broadcasts from its first rank use shared memory.
 
-    :func:`~pdist.broadcast_object` and the metadata of
-    :func:`~pdist.broadcast_tensor_dict` go through a ring of ``chunks`` slots
+    [`broadcast_object`][pdist.broadcast_object] and the metadata of
+    [`broadcast_tensor_dict`][pdist.broadcast_tensor_dict] go through a ring of ``chunks`` slots
     of ``chunk_bytes`` in ``/dev/shm``; a larger message goes over the CPU
     group. The writer waits for a slot at most the group's timeout, a reader
     ``idle_timeout``; either notices a dead peer within a second.

@@ -1,7 +1,7 @@
 """Object broadcasts: the skeleton in one message, tensors in buckets.
 
 A payload (``_payload``) travels as one framed message over the CPU group
-(``_wire``; shared memory on a :func:`~pdist.message_queue` group), then the
+(``_wire``; shared memory on a [`message_queue`][pdist.message_queue] group), then the
 larger tensors as raw bytes, one collective per bucket, straight into the
 memory they are rebuilt from. Before buckets move the ranks agree (``_agree``)
 that every one could decode and allocate, so one rank's failure raises on
@@ -108,7 +108,7 @@ def _broadcast_out(
     min_tensor_bytes: int,
     what: str,
 ) -> Any:
-    """The source's half of :func:`_broadcast`: buckets are packed while the receivers allocate."""
+    """The source's half of ``_broadcast``: buckets are packed while the receivers allocate."""
     try:
         if error is not None:
             raise error
@@ -151,7 +151,7 @@ def broadcast_object(
         src: Group index of the source (the same valid index on every rank).
         safe: Receivers only: ``True`` unpickles through torch's ``weights_only``
             allow-list, an iterable of classes extends it; anything else raises
-            :class:`~pdist.PdistError` naming it, without running it.
+            [`PdistError`][pdist.PdistError] naming it, without running it.
 
     Returns:
         The source's object (on the source, ``obj`` itself).
@@ -186,7 +186,7 @@ def broadcast_object_list(
         src: Group index of the source.
         min_tensor_bytes: Tensors smaller than this travel inside the header.
         safe: Receivers only: unpickle through an allow-list (see
-            :func:`~pdist.broadcast_object`).
+            [`broadcast_object`][pdist.broadcast_object]).
 
     Raises:
         ValueError: ``src`` is outside the group (on the calling rank only).

@@ -85,7 +85,7 @@ def _recv_payload(
     error: BaseException | None = None,
     split: Group | None = None,
 ) -> Any:
-    """Receive what :func:`_send_payload` sent from group index ``peer``."""
+    """Receive what ``_send_payload`` sent from group index ``peer``."""
     checked: Safe = False
     if error is None:
         checked, error = safe_or_error(safe, g.rank)
@@ -170,7 +170,7 @@ def _agree_split(
 
 
 def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
-    """Send a picklable ``obj`` to group index ``dst``, which calls :func:`recv_object`.
+    """Send a picklable ``obj`` to group index ``dst``, which calls ``recv_object``.
 
     If ``obj`` cannot be pickled, the receiver raises too.
 
@@ -187,12 +187,12 @@ def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
 
 
 def recv_object(group: Group | DistContext, src: int, *, safe: Safe = False) -> Any:
-    """Receive the object group index ``src`` sent with :func:`send_object`.
+    """Receive the object group index ``src`` sent with [`send_object`][pdist.send_object].
 
     Args:
         group: The group (a context means its world).
         src: Group index of the sender (another rank).
-        safe: Unpickle through an allow-list (see :func:`~pdist.broadcast_object`).
+        safe: Unpickle through an allow-list (see [`broadcast_object`][pdist.broadcast_object]).
 
     Returns:
         The object, its tensors on this rank's device (CPU tensors stay on the CPU).
@@ -236,7 +236,7 @@ def send_tensor_dict(
     ``tensor_dict`` is not a dict or cannot be encoded, the receivers raise too.
 
     Note:
-        The destination must call :func:`recv_tensor_dict` with a
+        The destination must call [`recv_tensor_dict`][pdist.recv_tensor_dict] with a
         matching ``all_gather_group`` size, at this rank's index in its own
         (else both stages raise).
     """

@@ -2,7 +2,7 @@
 
 ``encode`` pickles an object with its tensors set aside (``_serialize``); tensors
 below ``min_tensor_bytes`` travel inline in the body, the others as raw bytes in
-buckets per transport kind (:data:`KINDS`), each bounded by ``bucket_bytes``.
+buckets per transport kind (``KINDS``), each bounded by ``bucket_bytes``.
 Receivers rebuild tensors as views of the buckets, on their own device. An
 object without tensors travels as ``[lean magic][skeleton]``. Nothing before the
 skeleton is pickle, every field a peer sends is checked, and nothing here moves data.
@@ -99,7 +99,7 @@ class Fill:
 
     A tensor off the bucket's ``device`` is never lone: it is copied there when packed.
     ``dtype``: the dtype of every tensor while they are contiguous on ``device`` and end
-    on :data:`ALIGN` bytes, so that they pack with one concatenation (else None).
+    on ``ALIGN`` bytes, so that they pack with one concatenation (else None).
     """
 
     kind: str
@@ -218,7 +218,7 @@ class Encoded:
     _staging: Staging | None = None
 
     def lone(self, index: int) -> bool:
-        """Whether bucket ``index`` is one tensor sent in place (:meth:`pack` copies nothing)."""
+        """Whether bucket ``index`` is one tensor sent in place (``pack`` copies nothing)."""
         return self.fills[index].lone(self.buckets[index].nbytes)
 
     def _staged(self) -> Staging:
@@ -412,7 +412,7 @@ def _record(
 
 
 def decode(body: bytes, *, source: str = "a peer") -> Decoded:
-    """Parse a message body, checking every field (a bad one raises :class:`~pdist.PdistError`)."""
+    """Parse a message body, checking every field (a bad one raises ``PdistError``)."""
     if body[:4] == _LEAN:
         return Decoded(body[4:], [], [], [], [], b"", 1)
     try:

@@ -32,7 +32,7 @@ def deeper_than(value: Any, depth: int) -> bool:
 
 
 def loads(data: bytes | str) -> Any:
-    """``json.loads(data)``, raising :class:`TooDeepError` past :data:`MAX_DEPTH` levels."""
+    """``json.loads(data)``, raising ``TooDeepError`` past ``MAX_DEPTH`` levels."""
     try:
         value = json.loads(data)
     except RecursionError:

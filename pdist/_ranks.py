@@ -52,7 +52,7 @@ def is_local_rank0(ctx: DistContext) -> bool:
     """Whether the caller is the first rank of its host, in ``ctx.node`` (no collective).
 
     Raises:
-        TypeError: ``ctx`` is not a :class:`~pdist.DistContext`.
+        TypeError: ``ctx`` is not a [`DistContext`][pdist.DistContext].
     """
     if not isinstance(ctx, DistContext):
         msg = f"ctx={ctx!r} must be a pdist DistContext (a Group does not know its host)"
@@ -156,11 +156,12 @@ def rank0_only(
     it on that group's first rank; ``@rank0_only(ctx_or_group)`` does the same for any
     callable (a method, a callback). No collective: the other ranks do not wait.
 
-    Example::
-
+    Example:
+        ```python
         @pdist.rank0_only(ctx)
         def log_metrics():
             print(metrics)
+        ```
 
     Raises:
         TypeError: The argument is neither a callable nor a context or group,
@@ -185,8 +186,8 @@ def rank0_first(
     """Decorator: run a function on the first rank, then on every other rank.
 
     For work one rank must do before the others can (a download), in the two forms of
-    :func:`rank0_only`. If the first rank raises, every other rank raises
-    :class:`~pdist.PdistError` naming its error instead of waiting.
+    [`rank0_only`][pdist.rank0_only]. If the first rank raises, every other rank raises
+    [`PdistError`][pdist.PdistError] naming its error instead of waiting.
 
     Note:
         Every rank of the group (the world, for a context) must call the

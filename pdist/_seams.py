@@ -1,4 +1,4 @@
-"""The three places where a test may inject a fault (a leaf), through :func:`pdist.testing.inject`.
+"""The three places where a test may inject a fault (a leaf), through ``pdist.testing.inject``.
 
 Fail-together code is only as good as its tests of one rank failing half-way:
 every buffer is allocated, every bucket packed and every framed message sent
@@ -17,7 +17,7 @@ __all__ = ["Faults", "active", "allocating", "outgoing", "packing"]
 
 @attrs.frozen(kw_only=True)
 class Faults:
-    """The hooks of one :func:`pdist.testing.inject` block (each optional; see its docs)."""
+    """The hooks of one ``pdist.testing.inject`` block (each optional; see its docs)."""
 
     allocate: Callable[[int], object] | None = None
     pack: Callable[[int], object] | None = None
@@ -26,7 +26,7 @@ class Faults:
 
 _NONE = Faults()  # frozen, so one instance serves every thread
 active: contextvars.ContextVar[Faults] = contextvars.ContextVar("pdist_faults", default=_NONE)
-"""The faults of the innermost :func:`pdist.testing.inject` block of this thread (none outside)."""
+"""The faults of the innermost ``pdist.testing.inject`` block of this thread (none outside)."""
 
 
 def allocating(nbytes: int) -> None:

@@ -214,10 +214,13 @@ def ulysses_attention(
     than ranks); the arguments after ``q, k, v`` reach it unchanged. Each rank
     gets the output for its chunk and all heads. Differentiable.
 
-    Example (on 2 ranks, ``[B, H, S_r, D]`` per rank)::
+    Example:
+        On 2 ranks, ``[B, H, S_r, D]`` per rank:
 
+        ```python
         sdpa = pdist.ulysses_attention(ctx.sp, F.scaled_dot_product_attention)
         out = sdpa(q, k, v, is_causal=True)  # [B, H, S_r, D]
+        ```
 
     Note:
         All ranks of the group must call the returned function, with
@@ -233,7 +236,7 @@ def ulysses_attention(
         attention: ``attention(q, k, v, *args, **kwargs) -> out``, all in ``layout``.
         layout: The dims of q, k, v and the output: ``"bhsd"`` (SDPA, the
             default), ``"bshd"`` (flash-attn), ``"sbhd"``... Mind that
-            :func:`all_to_all_4d`'s defaults assume ``"bshd"`` instead.
+            [`all_to_all_4d`][pdist.all_to_all_4d]'s defaults assume ``"bshd"`` instead.
 
     Returns:
         ``wrapped(q, k, v, *args, **kwargs)``, same signature as ``attention``.

@@ -1,6 +1,6 @@
 """Pickling with dense tensors taken out, and unpickling through an optional allow-list.
 
-:func:`dumps` takes dense strided tensors (plain tensors and ``nn.Parameter``) out
+``dumps`` takes dense strided tensors (plain tensors and ``nn.Parameter``) out
 of the pickle, so that transports move them as tensors; everything else is left to
 pickle (classes, cycles and sharing survive), and the storages that torch's own
 reductions of other tensors pickle are taken out too, as raw bytes. Pickles use
@@ -51,7 +51,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_of(name: object) -> torch.dtype:
-    """The ``torch.dtype`` called ``name``; anything else raises :class:`~pdist.PdistError`."""
+    """The ``torch.dtype`` called ``name``; anything else raises ``PdistError``."""
     dtype = _DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         msg = f"unknown dtype {name!r:.80} in a received tensor"
@@ -259,10 +259,10 @@ def loads(
     *,
     safe: Safe = False,
 ) -> Any:
-    """Unpickle a :func:`dumps` skeleton (``storage[i]``: entry ``i`` is a storage's bytes).
+    """Unpickle a ``dumps`` skeleton (``storage[i]``: entry ``i`` is a storage's bytes).
 
     With ``safe``, through torch's ``weights_only`` allow-list plus the classes ``safe`` lists; a
-    :class:`~pdist.PdistError` says why the object is refused or cannot be rebuilt.
+    [`PdistError`][pdist.PdistError] says why the object is refused or cannot be rebuilt.
     """
     persistent_load, storages = _persistent_loader(entries, storage) if entries else (None, {})
     with _SPARSE_LOCK:

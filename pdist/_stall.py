@@ -3,7 +3,7 @@
 A thread per rank (``pdist-stall``) polls this process's own view: torch's
 flight recorder (each group's last enqueued and completed sequence numbers),
 and where the recorder is blind (gloo on torch 2.6, gloo's point-to-point
-calls) pdist's own record (:class:`~pdist._inflight.InFlight`); no collective,
+calls) pdist's own record (``InFlight``); no collective,
 no store traffic while healthy. A group whose completed number has not moved
 for ``stall_timeout`` while a collective is enqueued is a stall.
 
@@ -258,7 +258,7 @@ def arm_flight_recorder() -> Callable[[], object] | None:
 
 
 class Watch:
-    """The stall watch of one block on one rank: :meth:`start` once its groups exist."""
+    """The stall watch of one block on one rank: ``start`` once its groups exist."""
 
     def __init__(
         self,

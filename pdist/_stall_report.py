@@ -1,6 +1,6 @@
 """The stall report: plain records of every rank in, a short readable text out (pure).
 
-A record is what one rank answers (see :func:`pdist._stall.local_record`):
+A record is what one rank answers (see ``pdist._stall.local_record``):
 ``rank``, ``host``, ``stack`` (``[file, line, function]``, innermost first),
 ``site`` (the innermost frame outside torch and pdist) and ``groups``: per
 group a ``key`` (torch's group name, the same on every member), a ``label``

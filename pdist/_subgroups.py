@@ -8,7 +8,7 @@ group. A partition already built in the block (``node`` equal to ``tp``) reuses 
 torch names the groups of a local-synchronization ``new_group`` and of ``split_group``
 by hashing their ranks with the number of groups the process has registered so far,
 so members must agree on that count. Every partition build therefore registers the
-same number of groups on every rank: a rank in no block of :func:`new_group` still
+same number of groups on every rank: a rank in no block of [`new_group`][pdist.new_group] still
 builds (and holds until the block exits) a group of its own.
 """
 
@@ -203,7 +203,7 @@ def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     """Yield a new context whose ``tp`` group is ``group``; ``ctx`` itself is untouched.
 
     Nests freely; nothing needs undoing when the block raises. Use it to run a model
-    with another TP degree, e.g. one built with :func:`new_tp_group`.
+    with another TP degree, e.g. one built with [`new_tp_group`][pdist.new_tp_group].
 
     Raises:
         TypeError: ``ctx`` or ``group`` has the wrong type.
@@ -216,7 +216,8 @@ def patch_tp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
 def patch_sp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     """Yield a new context whose ``sp`` group is ``group``; ``ctx`` itself is untouched.
 
-    The counterpart of :func:`patch_tp`, e.g. for a group from :func:`new_sp_group`.
+    The counterpart of [`patch_tp`][pdist.patch_tp], e.g. for a group from
+    [`new_sp_group`][pdist.new_sp_group].
 
     Raises:
         TypeError: ``ctx`` or ``group`` has the wrong type.
@@ -250,7 +251,7 @@ def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) ->
 def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
     """Build tensor-parallel groups of ``size`` consecutive ranks over the whole world.
 
-    For a second model with another TP degree (use it with :func:`patch_tp`). Asking
+    For a second model with another TP degree (use it with [`patch_tp`][pdist.patch_tp]). Asking
     twice for one size and name reuses the communicators; another name gets its own
     (traffic on two names never interleaves). They live until the block exits.
 
@@ -273,7 +274,8 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
 def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
     """Build sequence-parallel groups of ``size`` consecutive ranks over the whole world.
 
-    As :func:`new_tp_group`, for a sequence-parallel group (use it with :func:`patch_sp`).
+    As [`new_tp_group`][pdist.new_tp_group], for a sequence-parallel group (use it with
+    [`patch_sp`][pdist.patch_sp]).
     """
     return _consecutive(ctx, size, name, f"sp{size}")
 
@@ -330,9 +332,10 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
         Every rank of the world must call it with the same lists, in the
         same order as other group creations.
 
-    Example::
-
+    Example:
+        ```python
         stage = pdist.new_group(ctx, [[0, 2], [1, 3]], name="pp")  # rank 2: ranks (0, 2)
+        ```
 
     Args:
         ctx: The context.
@@ -428,7 +431,7 @@ def flatten(ctx: DistContext, *axes: str) -> Group:
 def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:
     """The layout of ``ctx``'s groups, checked to hold its groups on the ``names`` axes.
 
-    A context from :func:`patch_tp` may hold groups that are no axes of one mesh; a mesh
+    A context from [`patch_tp`][pdist.patch_tp] may hold groups that are no axes of one mesh; a mesh
     built from them would pair each dim with the wrong group.
     """
     layout = ctx.layout

@@ -150,10 +150,11 @@ def grad_sync(
         Every rank must pass the same ``enabled`` for the same backward: a rank that
         syncs while another skips pairs its all-reduce with that rank's next one.
 
-    Example::
-
+    Example:
+        ```python
         with pdist.grad_sync(model, enabled=(i == len(micro_batches) - 1)):
             model(batch).sum().backward()
+        ```
 
     Args:
         model: The DDP model, the ``fully_shard`` model (its root), or a plain module.
@@ -188,7 +189,7 @@ def grad_sync(
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
-    """torch's DDP plus :meth:`training_step`, which runs through DDP's forward and hooks."""
+    """torch's DDP plus ``training_step``, which runs through DDP's forward and hooks."""
 
     def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(module, *args, **kwargs)
@@ -232,7 +233,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 def wrap_ddp(
     ctx: DistContext, model: nn.Module, *, group: Group | None = None, **ddp_options: Any
 ) -> DistributedDataParallel:
-    """Wrap ``model`` in :class:`DistributedDataParallel` over the context's ``dp_sp`` group.
+    """Wrap ``model`` in ``DistributedDataParallel`` over the context's ``dp_sp`` group.
 
     ``ctx.dp_sp`` holds the ranks sharing every coordinate but dp, cp and sp (with
     ``pp`` and ``tp``, the ranks of one stage and one tp index): on 4 ranks with

@@ -1,12 +1,12 @@
 """Collectives with per-rank counts: ``all_to_all`` by rows, uneven gathers on it.
 
-One differentiable primitive, :class:`_AllToAll` (rows along dim 0, the
+One differentiable primitive, ``_AllToAll`` (rows along dim 0, the
 gradient is the all-to-all with the counts swapped), runs eagerly straight on
 ``dist.all_to_all_single`` and, while tracing, on torch's functional op. The
 uneven ``all_gather`` / ``reduce_scatter`` are compositions of it whose
 gradients autograd derives (a gather's is the scatter and back).
 
-:func:`exchange` is the one small collective that moves counts, and it carries
+``exchange`` is the one small collective that moves counts, and it carries
 failures: a rank whose arguments are bad sends a marker instead of counts, and
 every rank raises the same error (``_agree.spread``), so a caller's mistake on
 one rank never leaves the others waiting in the data exchange that follows.
@@ -390,7 +390,7 @@ def reduce_scatter_sizes(
 ) -> torch.Tensor:
     """``reduce_scatter`` into shards of ``sizes[r]`` along ``dim``; differentiable in sum/mean.
 
-    As in :func:`all_gather_sizes`, the caller vouches that every rank passes the same
+    As in ``all_gather_sizes``, the caller vouches that every rank passes the same
     ``sizes`` (this rank checks their length and sum); check mode compares them.
     """
     error: BaseException | None = None

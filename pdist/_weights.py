@@ -14,7 +14,7 @@ the receivers already know or can check. Three steps:
    allocates, and none can fail. With the closing status, a weight sync into a
    running engine costs two small collectives besides the data; other calls three.
 2. **Plan** (a pure function of the metadata, so every member issues the same
-   broadcasts): tensors under :data:`DIRECT_BYTES` are packed into buckets of at most
+   broadcasts): tensors under ``DIRECT_BYTES`` are packed into buckets of at most
    ``bucket_bytes``; larger ones travel alone, in chunks of at most ``bucket_bytes``.
 3. **Move.** A large tensor is received straight into its destination when that is
    contiguous, of the wire's dtype and on the group's device (no copy); otherwise each chunk
@@ -124,7 +124,7 @@ def _flat_source(t: torch.Tensor) -> torch.Tensor:
 
 
 def _source_bytes(flat: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Bytes ``[start, stop)`` of a :func:`_flat_source` on ``device``.
+    """Bytes ``[start, stop)`` of a ``_flat_source`` on ``device``.
 
     Sliced in its own dtype first, so that only that part moves to ``device`` (a chunk,
     never the whole tensor) and devices that cannot view bytes (torch's lazy) still work.
@@ -147,7 +147,7 @@ def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
 
 
 class Move:
-    """A planned transfer of ``tensors`` from ``src``, staged and ready to :meth:`run`.
+    """A planned transfer of ``tensors`` from ``src``, staged and ready to ``run``.
 
     Every member passes ``entries`` (the same everywhere, agreed) and one tensor per entry
     of that shape: the source's to send, a receiver's to fill (of any dtype and device:
@@ -156,7 +156,7 @@ class Move:
     every member (the source filling its own ``into``). Extra memory: at most one staging
     buffer of ``bucket_bytes`` (and, for a non-contiguous tensor that travels in chunks,
     a contiguous copy of it). Make it before the status that lets every member go on (its
-    staging is allocated here, so that a failure raises on all); then :meth:`run`.
+    staging is allocated here, so that a failure raises on all); then ``run``.
     """
 
     def __init__(
@@ -377,7 +377,7 @@ def _agreed(
     """The source's entries, once every member is known to pass the same ``src``.
 
     One all-gather carries every member's ``src``, argument error and the digest of its
-    ``into`` (see :func:`_ready`), and the source's metadata when it fits the gather's
+    ``into`` (see ``_ready``), and the source's metadata when it fits the gather's
     first chunk (a few dozen tensors); longer metadata follows in a broadcast, which is
     safe only once ``src`` is agreed: members that pass different roots would pair
     broadcasts that never match.
@@ -423,7 +423,7 @@ def broadcast_weights(
     """Broadcast the source's mapping of name -> tensor to every member of ``group``.
 
     Made for weight sync (a trainer's weights into a running inference engine over a
-    :func:`~pdist.link`), and works on any Group. Names, shapes and dtypes are agreed
+    [`link`][pdist.link]), and works on any Group. Names, shapes and dtypes are agreed
     before any byte moves: a name missing from or extra in a member's ``into``, or a
     shape that differs, raises on every member (the source included) naming the tensor
     and both shapes, and leaves every ``into`` untouched. Small tensors travel packed in
@@ -480,7 +480,7 @@ def _broadcast(
     error: BaseException | None,
     what: str,
 ) -> dict[str, torch.Tensor]:
-    """:func:`broadcast_weights` on a group of two or more members."""
+    """[`broadcast_weights`][pdist.broadcast_weights] on a group of two or more members."""
     entries, bucket, ready = _agreed(g, src, entries, bucket_bytes, into, error, what)
     is_src = g.rank_in_group == src
     failure: BaseException | None = None

@@ -3,7 +3,7 @@
 A message is a header (status, body length) and a body: a payload, or an error
 marker (``_errors``) on which every receiver raises the same error. It travels
 as a fixed-size first chunk plus, only when longer, the rest; before a rest of
-:data:`STATUS_MIN_BYTES` or more every receiver reports whether it could allocate
+``STATUS_MIN_BYTES`` or more every receiver reports whether it could allocate
 it, so that one out of memory makes every rank raise instead of leaving the sender waiting.
 """
 
@@ -92,7 +92,7 @@ def _send(
 
 
 def reserve(make: Callable[[], T], nbytes: int, report: Report) -> T:
-    """``make()`` (an allocation); from :data:`STATUS_MIN_BYTES` on, ``report`` tells the peers."""
+    """``make()`` (an allocation); from ``STATUS_MIN_BYTES`` on, ``report`` tells the peers."""
     failure: PdistError | None = None
     try:
         made = make()
@@ -147,7 +147,7 @@ def broadcast_bytes(
 def send_bytes(
     group: Group, payload: bytes | None, dst: int, *, error: BaseException | None = None, what: str
 ) -> None:
-    """Send ``payload`` (or ``error``) to group index ``dst``, which calls :func:`recv_bytes`."""
+    """Send ``payload`` (or ``error``) to group index ``dst``, which calls ``recv_bytes``."""
     group.global_rank(dst, name="dst")
     move = _named(group, what, _rooted.send_to, pg=group.cpu_group, index=dst)
     message = frame(payload, error, group.rank)
@@ -157,7 +157,7 @@ def send_bytes(
 
 @recorded("recv", p2p=True)
 def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
-    """Receive what group index ``src`` sent with :func:`send_bytes`."""
+    """Receive what group index ``src`` sent with ``send_bytes``."""
     group.global_rank(src)
     move = _named(group, what, _rooted.recv_from, pg=group.cpu_group, index=src)
     data = _receive(group, move, lambda failure: _agree.tell(group, src, failure, what=what), what)

@@ -3,7 +3,7 @@
 Worker processes are started once per world size and reused by later calls
 (spawning and importing torch dominates otherwise); a call that fails or times
 out discards its workers. Each call gets a fresh rendezvous store on a port the
-OS picks, so parallel test runs never collide. Only :func:`world_sizes` imports pytest.
+OS picks, so parallel test runs never collide. Only ``world_sizes`` imports pytest.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _GRACE_AFTER_FAILURE = 5.0
 
 
 class SpawnError(PdistError):
-    """A rank of a :func:`spawn` run failed, died or timed out.
+    """A rank of a [`spawn`][pdist.testing.spawn] run failed, died or timed out.
 
     Attributes:
         rank: The first failing rank (None for a timeout of the whole run).
@@ -334,11 +334,12 @@ def count_collectives() -> Iterator[collections.Counter[str]]:
     as ``gloo:broadcast``; the counter is filled when the block exits. The
     profiler's own log lines are swallowed; the block's output is untouched.
 
-    Example::
-
+    Example:
+        ```python
         with count_collectives() as calls:
             pdist.broadcast_object(ctx, obj)
         assert sum(calls.values()) == 1
+        ```
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -374,10 +375,11 @@ def inject(
         outgoing: Given every framed message this rank is about to send,
             returns what to send instead: a hostile or corrupt peer.
 
-    Example::
-
+    Example:
+        ```python
         with pdist.testing.inject(allocate=out_of_memory):  # a hook that raises
             pdist.broadcast_object(ctx, None)  # every rank raises, naming this one
+        ```
     """
     from . import _seams
 
@@ -407,11 +409,12 @@ def world_sizes(
     One pytest item per size (``test_x[2]``); every rank runs the body inside
     ``pdist.distributed()``. The test must be a module-level function.
 
-    Example::
-
+    Example:
+        ```python
         @pdist.testing.world_sizes(2, 3)
         def test_sum(ctx):
             assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+        ```
     """
     import pytest
 

@@ -1,4 +1,8 @@
-"""Check the built API page for what a user should not see: private names, raw reST notes.
+"""Check the built API page for what a user should not see: private names, raw reST markup.
+
+Raw reST shows on the page as literal text: a Sphinx role (``:func:`x```, ``:class:``,
+...), an ``Example::`` block or a ``.. note::``. Docstrings use mkdocstrings
+cross-references (``[`x`][pdist.x]``) and Google sections (``Example:``) instead.
 
 Run after ``mkdocs build`` (``nox -s docs`` does): ``python tools/check_api_page.py site``.
 """
@@ -12,6 +16,10 @@ from pathlib import Path
 
 # Public-looking members of Group that are pdist's own plumbing.
 INTERNAL = ("peer_index", "header_transport", "lifetime", "transport(", "Lifetime", "KeptMemory")
+# A Sphinx role as rendered text: ":func:" before the target's code span.
+ROLE = re.compile(r":(?:py:)?(?:func|class|data|meth|attr|mod|exc|obj|const|ref|term):")
+# A reST literal-block section header: "Example::", "Example (on 2 ranks)::".
+LITERAL_SECTION = re.compile(r"\bExamples?\b[^\n:]*::")
 
 
 def main(site: str) -> int:
@@ -22,6 +30,8 @@ def main(site: str) -> int:
     found = sorted(set(re.findall(r"(?<![\w.])_[a-z]\w*", text)))
     found += [name for name in INTERNAL if name in text]
     found += [".. note::"] if ".. note::" in text else []
+    found += sorted(set(ROLE.findall(text)))
+    found += sorted(set(LITERAL_SECTION.findall(text)))
     if found:
         print(f"the API page shows internals: {found}")
         return 1
