@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from . import _compat
 from ._compat import Store, TCPStore
-from ._errors import PdistError
+from ._errors import PdistError, PeerLeftError
 from ._group import Group, Lifetime
 
 __all__ = [
@@ -60,17 +60,6 @@ _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
     for m in (sys.modules["torch"], sys.modules[__name__.rsplit(".", 1)[0]])
 )
-
-
-class PeerLeftError(PdistError):
-    """A collective failed because a peer left its block; the message names the peer.
-
-    ``store_gone``: the store did not answer either (nothing to name, nowhere to record).
-    """
-
-    def __init__(self, message: str, *, store_gone: bool = False) -> None:
-        super().__init__(message)
-        self.store_gone = store_gone
 
 
 class StoreGoneError(Exception):
