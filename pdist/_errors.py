@@ -2,9 +2,12 @@
 
 A rank that fails while preparing its part of a collective sends an *error
 marker*: a struct (its rank, the error's type name) and the error's text, never
-a pickle. Every peer raises a :class:`RemoteError` naming that rank; the failing
-rank raises one that is also of its own error's type, chained to it, so code
-that catches the original type (as it would with torch) still does.
+a pickle. Every rank that did not fail raises a :class:`RemoteError` naming the
+first rank that did; a rank that failed raises its own error, as one that is
+also of its type, chained to it, so code that catches the original type (as it
+would with torch) still does. One failure is one class on every rank where the
+type is known to all (pdist's own, ``TypeError``, ``ValueError``). Every class
+here is public as ``pdist.X`` and prints so.
 """
 
 from __future__ import annotations
@@ -33,8 +36,6 @@ __all__ = [
     "raised_as_is",
     "trim_traceback",
 ]
-
-# Every class here is public as ``pdist.X`` and says so in a traceback (``__module__``).
 
 
 class PdistError(RuntimeError):
@@ -190,7 +191,7 @@ def failure(message: str, kind: str, own: BaseException | None) -> BaseException
     """
     if own is None:
         shared = _SHARED.get(kind.removeprefix("Remote"))
-        peer: Any = RemoteError if shared is None else _remote(shared, kind) or RemoteError
+        peer: Any = RemoteError if shared is None else _remote(shared, shared.__name__)
         return cast("BaseException", peer(message))
     if isinstance(own, RemoteError) or getattr(own, "_pdist_as_is", False):
         return own

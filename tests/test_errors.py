@@ -146,3 +146,25 @@ def test_a_survivors_traceback_starts_at_the_users_call():
     assert "all_reduce" in functions
     inner = files[functions.index("_survive") + 1 :]
     assert len(inner) <= 2, peer_left  # pdist.all_reduce, and where it was raised
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        ValueError("bad"),
+        TypeError("bad"),
+        pdist.RankMismatchError("differs"),
+        pdist.PeerLeftError("gone"),
+        pdist.PdistError("no room"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_the_failing_rank_and_its_peers_raise_one_class(own):
+    """A unit test of a private piece: the class a failure raises as, on its rank and elsewhere."""
+    from pdist._errors import failure, kind_name
+
+    mine = failure("m", kind_name(own), own)
+    theirs = failure("m", kind_name(own), None)
+    assert type(mine) is type(theirs)
+    assert isinstance(theirs, pdist.RemoteError)
+    assert mine.__cause__ is own
