@@ -4,8 +4,6 @@
 pure functions take the context or one of its [`Group`][pdist.Group] values.
 """
 
-from __future__ import annotations
-
 from ._collate import EvalSampler as EvalSampler
 from ._collate import collate_batches as collate_batches
 from ._collectives import all_gather as all_gather
@@ -23,7 +21,12 @@ from ._collectives import send as send
 from ._collectives import shard as shard
 from ._context import distributed as distributed
 from ._errors import PdistError as PdistError
+from ._errors import PeerLeftError as PeerLeftError
 from ._errors import RankMismatchError as RankMismatchError
+from ._errors import RemoteError as RemoteError
+from ._errors import RemoteRankMismatchError as RemoteRankMismatchError
+from ._errors import RemoteTypeError as RemoteTypeError
+from ._errors import RemoteValueError as RemoteValueError
 from ._gathers import all_gather_object as all_gather_object
 from ._gathers import gather_object as gather_object
 from ._graph import graph_capture as graph_capture
@@ -77,7 +80,12 @@ __all__ = [
     "EvalSampler",
     "Group",
     "PdistError",
+    "PeerLeftError",
     "RankMismatchError",
+    "RemoteError",
+    "RemoteRankMismatchError",
+    "RemoteTypeError",
+    "RemoteValueError",
     "all_gather",
     "all_gather_object",
     "all_gather_tensor",

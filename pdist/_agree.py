@@ -55,9 +55,15 @@ _SUMMARY = 512  # bytes per rank of a summary shown in a mismatch message
 def _raise_failure(
     group: Group, what: str, rank: int, kind: str, text: str, own: BaseException | None
 ) -> NoReturn:
-    """Raise the error of a failure on ``rank`` (``own``: this rank's error, if it failed)."""
+    """Raise the error of a failure on ``rank`` (``own``: this rank's error, if it failed).
+
+    A rank's own failure comes first: a rank that failed too raises its own error, as
+    it would alone, and only a rank that did not fail raises the one that names ``rank``.
+    """
+    if own is not None:
+        rank, kind, text = group.rank, kind_name(own), str(own)
     message = f"{what} on group {group.name!r} failed on rank {rank}: {kind}: {text}"
-    error = failure(message, kind, own if rank == group.rank else None)
+    error = failure(message, kind, own)
     raise error from error.__cause__  # the failing rank's own error; None for the peers
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import _compat, _departures, _env, _stall, _subgroups, _topology
 from ._compat import HashStore, PrefixStore, Store, TCPStore
 from ._env import DEFAULT_ON_STALL
-from ._errors import PdistError
+from ._errors import PdistError, trim_traceback
 from ._group import CONTEXT_GROUPS, DistContext, Lifetime
 from ._guard import Deadline, probe_world
 
@@ -281,6 +281,8 @@ class _Distributed:
                 logger.warning("pdist: restoring process state failed", exc_info=True)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, PdistError):  # the user's traceback starts at the user's call
+            trim_traceback(exc)
         if exc is not None and self._lifetime is not None:
             # Before the communicators go: the peers' failing collectives read it.
             launch = self._settings.launch

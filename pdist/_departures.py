@@ -33,10 +33,11 @@ from typing import Any, TypeVar
 
 from . import _compat
 from ._compat import Store, TCPStore
-from ._errors import PdistError
+from ._errors import PdistError, PeerLeftError
 from ._group import Group, Lifetime
 
 __all__ = [
+    "LINK_PREFIX",
     "PeerLeftError",
     "StoreGoneError",
     "bounded",
@@ -55,22 +56,12 @@ _STORE_TIMEOUT = 1.0  # seconds a connection to it tries (a live store answers i
 # (every survivor reads every member's key: a failure must not load the store with W^2 reads).
 _ROLL_CALL_SECONDS = 2.0
 _ROLL_CALL_MAX = 64
+LINK_PREFIX = "pdist/link/"  # where pdist.link keeps its store's keys (its exit records too)
 _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's departure
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
     for m in (sys.modules["torch"], sys.modules[__name__.rsplit(".", 1)[0]])
 )
-
-
-class PeerLeftError(PdistError):
-    """A collective failed because a peer left its block; the message names the peer.
-
-    ``store_gone``: the store did not answer either (nothing to name, nowhere to record).
-    """
-
-    def __init__(self, message: str, *, store_gone: bool = False) -> None:
-        super().__init__(message)
-        self.store_gone = store_gone
 
 
 class StoreGoneError(Exception):
@@ -128,6 +119,16 @@ def summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}{_user_frame(exc)}"
 
 
+def _rank_word(lifetime: Lifetime) -> str:
+    """``link rank`` on a link (whose records sit under :data:`LINK_PREFIX`), else ``rank``.
+
+    A link's ranks are not its jobs' ranks: a reader in the trainer job would take a
+    link's "rank 0" for the trainer's.
+    """
+    records = lifetime.exit_records
+    return "link rank" if records is not None and records[1].startswith(LINK_PREFIX) else "rank"
+
+
 def record(lifetime: Lifetime, rank: int, exc: BaseException, *, echo: bool = False) -> None:
     """Record that ``rank`` leaves its block through ``exc`` (best effort, bounded).
 
@@ -137,7 +138,7 @@ def record(lifetime: Lifetime, rank: int, exc: BaseException, *, echo: bool = Fa
         return
     store, prefix = lifetime.exit_records
     kind = _ECHO if echo or isinstance(exc, PeerLeftError) else _PRIMARY
-    line = f"{kind}rank {rank} left the job: {summary(exc)}"
+    line = f"{kind}{_rank_word(lifetime)} {rank} left the job: {summary(exc)}"
 
     def write() -> None:
         conn = _connection(store)
@@ -178,10 +179,12 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     try:
         lines = _read(group.lifetime, others)
     except StoreGoneError:
+        word = _rank_word(group.lifetime)
+        host = "link rank 0" if word == "link rank" else "rank 0, or the launcher's agent"
         msg = (
             f"{what} on group {group.name!r} failed, and the rendezvous store does not answer "
-            "either, so pdist cannot tell which rank left: the store's host (rank 0, or the "
-            "launcher's agent) has most likely exited; look at its output first"
+            f"either, so pdist cannot tell which {word} left: the store's host ({host}) has "
+            "most likely exited; look at its output first"
         )
         return PeerLeftError(msg, store_gone=True)
     records = group.lifetime.exit_records
@@ -190,8 +193,9 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
             missing = _roll_call(group, *records)
         except StoreGoneError:
             missing = []
+        word = _rank_word(group.lifetime)
         lines = [
-            f"rank {r} went away without a word (it did not answer a roll call through the "
+            f"{word} {r} went away without a word (it did not answer a roll call through the "
             f"store within {_ROLL_CALL_SECONDS:g} s: killed, out of memory, or os._exit)"
             for r in missing
         ]

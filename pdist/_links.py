@@ -283,7 +283,7 @@ def link(
     seconds = _seconds(timeout)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
-    join = _Join(label, rank, size, f"pdist/link/{name or 'link'}/", seconds)
+    join = _Join(label, rank, size, f"{_departures.LINK_PREFIX}{name or 'link'}/", seconds)
     lifetime = Lifetime()
     pgs: list[ProcessGroup] = []
     failed = True

@@ -275,6 +275,7 @@ class Watch:
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.stall_timeout, self.on_stall, self.answer = stall_timeout, on_stall, answer
+        self._exit_code = STALL_EXIT_CODE if on_stall == "exit" else None  # said in the report
         self._lifetime, self._hosts_store, self._prefix = lifetime, hosts_store, f"{prefix}/stall"
         self._base = store
         self._control: Store | None = None  # stop's connection to the store
@@ -397,7 +398,9 @@ class Watch:
         # No answering thread (no second store connection, or the store left): this rank's view.
         with self._lock:
             self._phase = ("wake", k + 1)
-        text = format_report([record], stall_timeout=self.stall_timeout, round_no=k)
+        text = format_report(
+            [record], stall_timeout=self.stall_timeout, round_no=k, exit_code=self._exit_code
+        )
         self._act(self._verdict([record], k), k, text)
 
     def _verdict(self, records: list[dict[str, Any]], k: int) -> dict[str, Any]:
@@ -427,7 +430,11 @@ class Watch:
         verdict = self._verdict(records, k)
         if verdict["report"]:
             text = format_report(
-                records, world_size=self.world_size, stall_timeout=self.stall_timeout, round_no=k
+                records,
+                world_size=self.world_size,
+                stall_timeout=self.stall_timeout,
+                round_no=k,
+                exit_code=self._exit_code,
             )
             conn.set(f"report/{k}", text)
         told = json.dumps({**verdict, "told": len(records)})

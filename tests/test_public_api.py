@@ -83,6 +83,11 @@ PUBLIC = {
     # errors
     "PdistError",
     "RankMismatchError",
+    "PeerLeftError",
+    "RemoteError",
+    "RemoteTypeError",
+    "RemoteValueError",
+    "RemoteRankMismatchError",
 }
 
 
@@ -97,11 +102,7 @@ def test_all_is_sorted_and_complete():
     assert set(pdist.__all__) == PUBLIC
     for name in pdist.__all__:
         assert getattr(pdist, name) is not None
-    exported = {
-        n
-        for n in dir(pdist)
-        if not n.startswith("_") and n not in {"testing", "cli", "annotations"}
-    }
+    exported = {n for n in dir(pdist) if not n.startswith("_") and n not in {"testing", "cli"}}
     assert exported == PUBLIC
 
 

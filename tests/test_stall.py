@@ -415,3 +415,22 @@ def test_threads_and_store_keys_stay_flat_over_blocks():
 def test_stall_exit_code_is_public():
     """STALL_EXIT_CODE is 94, next to the start-up guard's 93."""
     assert pdist.STALL_EXIT_CODE == 94 == pdist.WORLD_COMM_TIMEOUT_EXIT_CODE + 1
+
+
+def test_report_hints_check_mode_only_under_a_desync():
+    """A rank that never entered the collective: no check-mode hint; a desync: the hint."""
+    behind = [_record(0, WAITING, inflight=_op(7)), _record(1, LOADING, enqueued=6)]
+    assert "check mode" not in format_report(behind, world_size=2, stall_timeout=5)
+    desync = [
+        _record(0, WAITING, inflight=_op(7)),
+        _record(1, LOADING, inflight=_op(7, op="gloo:broadcast", sizes=[(8,)], dtypes=["Long"])),
+    ]
+    assert "rerun with check mode" in format_report(desync, world_size=2, stall_timeout=5)
+
+
+def test_report_says_the_exit_code_when_it_exits():
+    """on_stall="exit": the report ends saying the ranks exit with 94, as start-up says 93."""
+    records = [_record(0, WAITING, inflight=_op(7)), _record(1, LOADING, enqueued=6)]
+    text = format_report(records, world_size=2, stall_timeout=5, exit_code=pdist.STALL_EXIT_CODE)
+    assert text.splitlines()[-1].startswith("  on_stall='exit': exiting with code 94 on every rank")
+    assert "exiting with code" not in format_report(records, world_size=2, stall_timeout=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import types
 
@@ -121,3 +122,42 @@ def test_same_node_ranks_on_one_host(ctx):
     assert leftovers == set()
     with pytest.raises(ValueError, match="source_rank=9 is outside"):
         pdist.same_node_ranks(ctx, source_rank=9)
+
+
+NO_NUMPY_SITE = 'import sys\nsys.modules["numpy"] = None  # any `import numpy` raises ImportError\n'
+
+NO_NUMPY_RANKS = """
+import sys
+import torch
+import pdist
+from pdist.testing import spawn
+
+
+def ranks():
+    assert sys.modules["numpy"] is None  # this rank's interpreter cannot import numpy
+    with pdist.distributed() as ctx:
+        got = pdist.all_gather_object(ctx, {"rank": ctx.rank, "t": torch.full((3,), ctx.rank)})
+        assert [g["rank"] for g in got] == [0, 1]
+        assert torch.equal(got[1]["t"], torch.full((3,), 1))
+        assert pdist.broadcast_object(ctx, "hello" if ctx.rank == 0 else None) == "hello"
+        assert pdist.gather_object(ctx, ctx.rank, dst=0) == ([0, 1] if ctx.rank == 0 else None)
+        return ctx.world_size
+
+
+if __name__ == "__main__":
+    print(spawn(ranks, 2, timeout=60))
+"""
+
+
+def test_distributed_and_object_collectives_need_no_numpy(tmp_path):
+    """Two ranks whose interpreters cannot import numpy start pdist and move objects."""
+    (tmp_path / "sitecustomize.py").write_text(NO_NUMPY_SITE)  # runs in every rank's process
+    script = tmp_path / "no_numpy.py"
+    script.write_text(NO_NUMPY_RANKS)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[2, 2]"

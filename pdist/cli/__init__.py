@@ -70,23 +70,45 @@ def _write(path: str | None, report: Any, count: int) -> None:
 
 
 RATIO_LEGEND = (
-    "ratios: pdist's time / the baseline's time; below 1.00x pdist is faster, above it slower"
+    "ratios: pdist's time / the baseline's time; below 1.00x pdist is faster, above it slower; "
+    "in brackets the spread over the interleaved batches (the middle half; all of them in a "
+    "quick run)"
 )
+QUICK_WARNING = (
+    "quick run: 3 batches per figure, so a ratio can swing by 2x on a busy machine; "
+    "quote only a full run's figures"
+)
+CASES_LEGEND = {
+    "(a)": "(a) one 128 MiB tensor with metadata, against a raw broadcast of the same bytes "
+    "(into warm memory, and into fresh memory as a result of its own must be)",
+    "(b)": "(b) 1000 tensors of 64 KiB (a state dict's shape), against one flat broadcast of "
+    "the same bytes, one broadcast per tensor, and the copies a flat transport needs",
+    "(c)": "(c) a tiny dict, against torch.distributed.broadcast_object_list",
+}
 
 
-def _format(records: list[dict[str, Any]]) -> str:
+def _ratio(baseline: str, ratio: float, spread: list[float] | None) -> str:
+    """``torch 1.02x [0.97-1.08]``: a ratio and its spread over the batches."""
+    return f"{baseline} {ratio:.2f}x" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")
+
+
+def _format(records: list[dict[str, Any]], *, quick: bool = False) -> str:
+    width = max([42, *(len(r["name"]) for r in records)])
     lines = [
         RATIO_LEGEND,
-        f"{'case':<42} {'bytes':>11} {'pdist':>10} {'algbw':>8} {'busbw':>8}  "
-        "ratios (pdist / baseline)",
+        *([QUICK_WARNING] if quick else []),
+        f"{'case':<{width}} {'bytes':>11} {'pdist':>10} {'algbw GB/s':>10} {'busbw GB/s':>10}  "
+        "ratios (pdist / baseline) [spread]",
     ]
     for r in records:
-        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+        spreads = r.get("spreads", {})
+        ratios = ", ".join(_ratio(k, v, spreads.get(k)) for k, v in r["ratios"].items())
         lines.append(
-            f"{r['name']:<42} {r['bytes']:>11} {r['seconds']['pdist'] * 1e6:>8.0f}us "
-            f"{r['algbw_gbps']:>6.2f}GB {r['busbw_gbps']:>6.2f}GB  {ratios}"
+            f"{r['name']:<{width}} {r['bytes']:>11} {r['seconds']['pdist'] * 1e6:>8.0f}us "
+            f"{r['algbw_gbps']:>10.2f} {r['busbw_gbps']:>10.2f}  {ratios}"
         )
-    return "\n".join(lines)
+    shown = [text for key, text in CASES_LEGEND.items() if any(key in r["name"] for r in records)]
+    return "\n".join(lines + (["structured broadcast cases:", *shown] if shown else []))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -99,7 +121,7 @@ def _bench(args: argparse.Namespace) -> int:
         f"pdist bench: {report['world_size']} ranks, {report['backend']} on {report['device']}, "
         f"torch {report['torch_version']}, {'quick' if args.quick else 'full'} run"
     )
-    print(_format(report["records"]))
+    print(_format(report["records"], quick=args.quick))
     _write(args.json, report, len(report["records"]))
     return 0
 

@@ -46,6 +46,9 @@ class Record:
     world_size: int
     seconds: dict[str, float]
     ratios: dict[str, float]
+    # Per baseline, the spread of the ratio over the interleaved batches: the middle half
+    # (quartiles) from 4 batches on, else the lowest and the highest.
+    spreads: dict[str, list[float]]
     algbw_gbps: float
     busbw_gbps: float
 
@@ -65,7 +68,26 @@ def _batch(fn: Callable[[], object], inner: int, synchronize: Callable[[], None]
     return (time.perf_counter() - start) / inner
 
 
-def _measure(ctx: DistContext, fns: Fns, inner: int, warmup: int, repeats: int) -> dict[str, float]:
+Samples = dict[str, list[float]]
+
+
+def _spread(ratios: list[float]) -> list[float]:
+    """The middle half of ``ratios`` (from 4 of them on), else their lowest and highest."""
+    if len(ratios) >= 4:
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        return [q1, q3]
+    return [min(ratios), max(ratios)]
+
+
+def _paired(mine: list[float], theirs: list[float]) -> list[float]:
+    """The ratio of each interleaved batch: pdist's time over the baseline's in the same round."""
+    return [p / b for p, b in zip(mine, theirs, strict=True) if b > 0] or [0.0]
+
+
+def _measure(
+    ctx: DistContext, fns: Fns, inner: int, warmup: int, repeats: int
+) -> tuple[dict[str, float], Samples]:
+    """Every function's median seconds (the slowest rank's), and its batches' (the same)."""
     cpu = ctx.world.cpu_group
     synchronize = _synchronizer(ctx.device)
     for fn in fns.values():
@@ -80,19 +102,26 @@ def _measure(ctx: DistContext, fns: Fns, inner: int, warmup: int, repeats: int) 
             dist.barrier(group=cpu)
             samples[name].append(_batch(fns[name], inner, synchronize))
     medians = torch.tensor([statistics.median(samples[n]) for n in fns], dtype=torch.float64)
+    batches = torch.tensor([samples[n] for n in fns], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=cpu)
-    return dict(zip(fns, medians.tolist(), strict=True))
+    dist.all_reduce(batches, op=dist.ReduceOp.MAX, group=cpu)
+    return (
+        dict(zip(fns, medians.tolist(), strict=True)),
+        dict(zip(fns, batches.tolist(), strict=True)),
+    )
 
 
-def _record(ctx: DistContext, case: Case, seconds: dict[str, float]) -> Record:
+def _record(ctx: DistContext, case: Case, seconds: dict[str, float], batches: Samples) -> Record:
     mine = seconds["pdist"]
     algbw = case.nbytes / mine / 1e9 if mine > 0 else 0.0
+    baselines = [n for n, s in seconds.items() if n != "pdist" and s > 0]
     return Record(
         name=case.name,
         bytes=case.nbytes,
         world_size=ctx.world_size,
         seconds=seconds,
-        ratios={n: mine / s for n, s in seconds.items() if n != "pdist" and s > 0},
+        ratios={n: mine / seconds[n] for n in baselines},
+        spreads={n: _spread(_paired(batches["pdist"], batches[n])) for n in baselines},
         algbw_gbps=algbw,
         busbw_gbps=algbw * case.busbw_factor(ctx.world_size),
     )
@@ -112,9 +141,9 @@ def run_cases(
             sys.stderr.flush()
         with contextlib.ExitStack() as stack:
             fns = case.setup(ctx, stack)
-            seconds = _measure(ctx, fns, case.inner, warmup, repeats)
+            seconds, batches = _measure(ctx, fns, case.inner, warmup, repeats)
             del fns
-        yield _record(ctx, case, seconds)
+        yield _record(ctx, case, seconds, batches)
     if progress:
         sys.stderr.write("\r" + " " * 60 + "\r")
         sys.stderr.flush()

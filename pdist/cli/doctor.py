@@ -16,7 +16,7 @@ from pdist._compat import FEATURES
 from pdist._env import env_flag, stall_settings
 from pdist._topology import nvml_handle
 
-__all__ = ["CHECKS", "doctor", "doctor_rank", "render"]
+__all__ = ["CHECKS", "doctor", "doctor_rank", "render", "torch_support"]
 
 
 def _expect(condition: bool, what: str) -> None:
@@ -124,6 +124,39 @@ def _gpu_name(ctx: DistContext) -> str:
         return torch.cuda.get_device_name(ctx.device)
 
 
+def _yes(flag: bool, yes: str, no: str) -> str:
+    return yes if flag else no
+
+
+def torch_support(features: Any = FEATURES) -> list[str]:
+    """What this torch supports, in plain words: one line per thing a user can tell apart."""
+    f = features
+    recorder = {
+        "_dump_fr_trace": f"torch's flight recorder, for every backend (its buffer: "
+        f"{f.flight_recorder_env})",
+        "_dump_nccl_trace": f"torch's flight recorder for NCCL (its buffer: "
+        f"{f.flight_recorder_env}), pdist's own record for gloo",
+    }.get(f.flight_recorder or "", "pdist's own record (this torch has no flight recorder)")
+    return [
+        "subgroups (patch_tp, new_group, layouts): "
+        + _yes(f.split_group, "split off the world's communicator", "each a new communicator"),
+        "device_mesh(): "
+        + _yes(f.device_mesh_from_group, "yes, over pdist's groups", "no (needs a newer torch)"),
+        "devices: "
+        + _yes(f.accelerator_api, "any accelerator torch knows (torch.accelerator)", "CUDA only"),
+        "FSDP2 (fully_shard) with grad_sync: "
+        + _yes(f.fsdp2_on_cpu, "on CPU and GPU", "on GPU only (CPU needs torch 2.7+)"),
+        f"stall reports read {recorder}",
+        "async collectives: "
+        + _yes(f.async_results == "native", "torch's own work handles", "wrapped in Python works"),
+        *(
+            [f"leaving a block waits {f.destroy_wait_sec:g}s for gloo's threads (a torch bug)"]
+            if f.destroy_wait_sec
+            else []
+        ),
+    ]
+
+
 def _run_checks(ctx: DistContext) -> list[tuple[str, str | None]]:
     """Every check's failure line, or None; a failure does not stop the others (ranks in step)."""
     results: list[tuple[str, str | None]] = []
@@ -152,7 +185,7 @@ def doctor_rank() -> dict[str, Any]:
         return {
             "world_size": ctx.world_size,
             "backend": ctx.backend,
-            "torch": [torch.__version__, *FEATURES.summary()],
+            "torch": [torch.__version__, *torch_support()],
             "timeout": ctx.world.timeout.total_seconds(),
             "subgroup_timeout": ctx.tp.timeout.total_seconds(),
             "guard_timeout": pdist.world_comm_timeout(),
@@ -192,7 +225,7 @@ def render(report: dict[str, Any]) -> tuple[str, int]:
     lines = [
         f"pdist doctor: {report['world_size']} ranks on {len(hosts)} host(s), "
         f"{len(hosts[0]) if hosts else 0} per host; backend {report['backend']}",
-        f"torch {version}:",
+        f"torch {version} supports:",
         *(f"  {line}" for line in features),
         f"timeouts: collective {report['timeout']:g}s, subgroup {report['subgroup_timeout']:g}s, "
         f"start-up guard {'forever' if guard is None else f'{guard:g}s'}"
