@@ -120,7 +120,7 @@ def summary(exc: BaseException) -> str:
 
 
 def _rank_word(lifetime: Lifetime) -> str:
-    """``link rank`` on a link (whose records sit under :data:`LINK_PREFIX`), else ``rank``.
+    """``link rank`` on a link (whose records sit under ``LINK_PREFIX``), else ``rank``.
 
     A link's ranks are not its jobs' ranks: a reader in the trainer job would take a
     link's "rank 0" for the trainer's.

@@ -90,7 +90,7 @@ class RemoteValueError(RemoteError, ValueError):
 
 
 class RemoteRankMismatchError(RemoteError, RankMismatchError):
-    """A :class:`RankMismatchError` one rank found, raised on every rank of the collective."""
+    """A ``RankMismatchError`` one rank found, raised on every rank of the collective."""
 
     __module__ = "pdist"
 
@@ -187,7 +187,7 @@ def failure(message: str, kind: str, own: BaseException | None) -> BaseException
 
     Every rank raises the same class for one failure: a rank that did not fail makes the
     failing rank's class from ``kind`` where it knows that type (pdist's own, ``TypeError``
-    and ``ValueError``), else a plain :class:`RemoteError`.
+    and ``ValueError``), else a plain ``RemoteError``.
     """
     if own is None:
         shared = _SHARED.get(kind.removeprefix("Remote"))

@@ -159,7 +159,7 @@ def moe_dispatch(
         every rank. Every rank calls it in the same grad mode (a rank in
         ``torch.no_grad()`` while another's tokens need a gradient raises on every
         rank), and, when one does, runs the backward (``loss.backward()``) with
-        a loss built from :func:`moe_combine`'s output: on a rank without tokens
+        a loss built from ``moe_combine``'s output: on a rank without tokens
         too (``y.sum()`` over its zero rows), since its experts' rows came from
         the others.
 
@@ -261,7 +261,7 @@ def moe_combine(
         [`moe_dispatch`][pdist.moe_dispatch] returned, and outputs of one width and dtype.
 
     Note:
-        Its backward reaches :func:`moe_dispatch`'s on every rank whenever the
+        Its backward reaches ``moe_dispatch``'s on every rank whenever the
         dispatch recorded one (any rank's tokens needed a gradient), even where
         ``expert_out`` does not depend on ``routed.tokens``: an expert that got
         no rows may be skipped, and ``expert_out`` built without it (even

@@ -279,7 +279,7 @@ def grad_flag(x: object) -> int:
 
 
 def any_grad(group: Group, flags: Sequence[int], what: str) -> bool:
-    """Whether any rank's input needs a gradient (every rank's :func:`grad_flag`, exchanged).
+    """Whether any rank's input needs a gradient (every rank's ``grad_flag``, exchanged).
 
     Then every rank records the backward. Every rank sees the same ``flags``, so a rank
     in ``torch.no_grad()`` while another's input needs a gradient (that one would wait
