@@ -167,7 +167,9 @@ def all_to_all(
     except (TypeError, ValueError) as e:
         error = e
     how = "exchanged" if exchanged else "even" if send_counts is None else "given"
-    _check.agree_args(g, "all_to_all", _check.describe(x, rows=True), error, counts=how)
+    # Even counts: every rank sends and expects N / P rows of each, so N must agree too.
+    seen = _check.describe(x, rows=send_counts is not None)
+    _check.agree_args(g, "all_to_all", seen, error, counts=how, requires_grad=_grad(x))
     if exchanged:
         got = exchange(g, None if error else [[c] for c in send], error, width=1, what="all_to_all")
         recv = [r[0] for r in got]
@@ -176,6 +178,12 @@ def all_to_all(
     elif recv_counts is not None and _check.enabled(g) and not torch.compiler.is_compiling():
         _verify(g, send, recv)
     return rows(g, x, send, recv)
+
+
+def _grad(x: object) -> bool | None:
+    """Check mode compares it: a rank whose input needs a gradient runs the backward's exchange."""
+    grad = isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+    return grad or None  # None: left out of the summary
 
 
 def _arguments(
@@ -271,7 +279,8 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    _check.agree_args(group, "all_gather", _check.describe(x, dim=dim), error, sizes=counts)
+    seen = _check.describe(x, dim=dim)
+    _check.agree_args(group, "all_gather", seen, error, sizes=counts, requires_grad=_grad(x))
     if error is not None:
         raise error
     if group.world_size == 1:
@@ -303,7 +312,7 @@ def reduce_scatter_sizes(
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    fields = {"op": op, "dim": dim, "sizes": counts}
+    fields = {"op": op, "dim": dim, "sizes": counts, "requires_grad": _grad(x)}
     _check.agree_args(group, "reduce_scatter", _check.describe(x), error, **fields)
     if error is not None:
         raise error
