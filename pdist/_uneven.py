@@ -128,10 +128,11 @@ def all_to_all(
 
     Note:
         With both counts given, pdist adds no exchange: the caller vouches that
-        ``recv_counts[j]`` on rank ``i`` is ``send_counts[i]`` on rank ``j``, and a
-        wrong count fails only where it is wrong (the others wait in the data
-        exchange). Check mode (``distributed(check=True)`` or ``PDIST_CHECK=1``)
-        verifies them, with the row shape and dtype: every rank raises instead.
+        ``recv_counts[j]`` on rank ``i`` is ``send_counts[i]`` on rank ``j``. A count
+        above what rank ``j`` sends leaves zeros in the rows it does not fill; one
+        below it fails in the backend (gloo aborts the receiving process). Check mode
+        (``distributed(check=True)`` or ``PDIST_CHECK=1``) verifies them, with the row
+        shape and dtype: every rank raises instead.
 
     Args:
         group: The group (a ``DistContext`` means its ``world``).
@@ -237,7 +238,8 @@ def _forward(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) ->
 def _eager(
     group: Group, x: torch.Tensor, send: list[int], recv: list[int], *, what: str
 ) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
+    # Written, never left: rows a peer does not send (a vouched count too high) stay zero.
+    out = x.new_zeros((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
     return out
 
@@ -261,9 +263,9 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
     """``all_gather`` of shards of ``sizes[r]`` along ``dim`` (normalized); differentiable.
 
     The caller vouches that every rank passes the same ``sizes``: only this rank's
-    entry can be checked here (against ``x``), so a difference fails where it shows
-    while the others wait. Check mode compares them (and ``x``'s other dims and dtype)
-    on every rank first.
+    entry can be checked here (against ``x``). A list that overstates a peer's size
+    leaves zeros where that peer sends nothing; one that understates it fails in the
+    backend. Check mode compares them (and ``x``'s other dims and dtype) on every rank.
     """
     error: BaseException | None = None
     counts: list[int] = []

@@ -2,7 +2,8 @@
 
 Start-up agrees on the settings that change the wire; send/recv swap what they pass;
 the object functions, barrier and broadcast_weights join the agreement under their
-names; the differentiable collectives compare requires_grad.
+names; the differentiable collectives compare requires_grad. Without check mode, a
+count that overstates what a peer sends leaves zeros, never this process's old memory.
 """
 
 from __future__ import annotations
@@ -168,3 +169,32 @@ def test_a_different_call_on_one_rank_raises_on_every_rank_in_check_mode():
             else:
                 assert f"ranks [1]: {name}" in message, (rank, message)
                 assert "ranks [0, 2]: all_reduce: shape (4,)" in message, message
+
+
+def _overstated(call: str) -> list[float]:
+    """Without check mode, rank 2 states one row more from rank 0 than rank 0 sends."""
+    os.environ["PDIST_CHECK"] = "0"
+    with pdist.distributed() as ctx:
+        r = ctx.rank
+        outs = []
+        for _ in range(20):
+            garbage = torch.full((64,), 7.5e30)  # freed memory the output may reuse
+            del garbage
+            if call == "all_to_all":
+                send = [[1, 1, 1], [0, 0, 0], [1, 1, 1]][r]  # rank 1 has nothing to send
+                recv = [[1, 0, 1], [1, 0, 1], [2, 0, 1]][r]  # rank 2 says 2 from rank 0
+                outs.append(pdist.all_to_all(ctx, torch.ones(sum(send), 3), send, recv))
+            else:
+                sizes = [2, 0, 1] if r < 2 else [3, 0, 1]  # rank 2 says 3 rows on rank 0
+                x = torch.ones([2, 0, 1][r], 3)
+                outs.append(pdist.all_gather(ctx, x, dim=0, sizes=sizes))
+        pdist.barrier(ctx)
+        return sorted({float(v) for out in outs for v in out.flatten().tolist()})
+
+
+@pytest.mark.parametrize("call", ["all_to_all", "all_gather"])
+def test_an_overstated_count_leaves_zeros_not_old_memory(call):
+    """The rows no peer sends are written (zero); the stated counts are the caller's to vouch."""
+    rank0, rank1, rank2 = spawn(_overstated, 3, call, timeout=90)
+    assert rank0 == rank1 == [1.0]
+    assert rank2 == [0.0, 1.0]
