@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import _check, _launches, _rooted, _uneven
+from . import _check, _launches, _rooted, _uneven, _wire
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
 
@@ -185,6 +185,7 @@ _ARG_NAMES = {
     "all_gather": ("dim",),
     "reduce_scatter": ("op", "dim"),
     "all_to_all_4d": ("scatter_dim", "gather_dim"),
+    "shard": ("dim", "scale_grad"),
 }
 
 
@@ -206,16 +207,16 @@ def _collective(
     name: str, group: Group | DistContext, x: torch.Tensor, *options: Any, async_op: bool = False
 ) -> torch.Tensor:
     spec, g = _SPECS[name], as_group(group)
-    agree = spec.launch is not None  # shard is local: its peers agree on nothing
     checks = (lambda: spec.check(g, _check_tensor(x), *options), lambda: _check_async(async_op))
-    args, _ = _check.checked(g, name, x, *checks, agree=agree)
+    args, _ = _check.checked(g, name, x, *checks)
     if g.world_size == 1:
         return x
-    if spec.launch is not None:
-        _check.agree_call(g, name, x, **dict(zip(_ARG_NAMES[name], args, strict=True)))
+    grad = torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None
+    fields = dict(zip(_ARG_NAMES[name], args, strict=True), requires_grad=grad or None)
+    _check.agree_call(g, name, x, **fields)  # with a gradient, the backward communicates too
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
         return _launches.traced_closed(x, spec.shape(g, x, *args))
-    if torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None:
+    if grad:
         return cast("torch.Tensor", _Collective.apply(name, g, x, args, async_op))  # type: ignore[no-untyped-call]
     return _forward(name, g, x.detach() if x.requires_grad else x, args, async_op)
 
@@ -549,18 +550,30 @@ def shard(
     return _collective("shard", group, x, dim, scale_grad)
 
 
+def _ends(g: Group, name: str, index: int | None, travels: Callable[[], str]) -> int:
+    """This end's checks, then its peer's index; in check mode the swap (``_check.agree_ends``)."""
+    default, label = (g.next_rank, "dst") if name == "send" else (g.prev_rank, "src")
+    try:
+        peer = g.peer_index(index, default, label)
+    except ValueError:
+        travels()  # the arguments' errors first, in order
+        raise
+    send = functools.partial(_wire.send_bytes, g, dst=peer, what=f"{name} (check mode)")
+    recv = functools.partial(_wire.recv_bytes, g, peer, what=f"{name} (check mode)")
+    _check.agree_ends(g, name, travels, peer=peer, send=send, recv=recv)
+    return peer
+
+
 @recorded("send", p2p=True)
 def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) -> None:
     """Send ``x`` to group index ``dst`` (default: the next rank) on the device group.
 
     Note:
-        The destination must call [`recv`][pdist.recv] with the same shape and
-        dtype. If that ``recv`` fails its checks, this call waits for the group
-        timeout (the object functions carry a failure to the peer).
+        The destination must call [`recv`][pdist.recv] with the same shape and dtype. Check mode
+        swaps them first (two small CPU messages): a difference raises on both ends.
     """
     g = as_group(group)
-    _check_tensor(x)
-    peer = g.peer_index(dst, g.next_rank, "dst")
+    peer = _ends(g, "send", dst, lambda: _check.tensor_of(_check_tensor(x).shape, x.dtype))
     _rooted.send_to(_launches.local(x).detach().contiguous(), g.device_group, peer)
 
 
@@ -576,27 +589,17 @@ def recv(
     ``shape`` is a tensor shape or an int size, as ``torch.empty`` takes.
 
     Note:
-        The source must call [`send`][pdist.send] with a tensor of this shape and
-        dtype. If this call fails its checks, the ``send`` waits for the group
-        timeout (the object functions carry a failure to the peer).
+        The source must call [`send`][pdist.send] with a tensor of this shape and dtype.
 
     Returns:
         The tensor, on the group's device.
 
     Raises:
-        TypeError: ``shape`` is not an int or a sequence of non-negative ints,
-            or ``dtype`` is not a ``torch.dtype``.
+        TypeError: ``shape`` is no int or sequence of ints >= 0, or ``dtype`` no dtype.
         ValueError: ``src`` is outside the group, or the group has one rank.
     """
     g = as_group(group)
-    dims = (shape,) if isinstance(shape, int) else shape
-    if not isinstance(dims, (tuple, list)) or not all(type(n) is int and n >= 0 for n in dims):
-        msg = f"shape={shape!r} must be an int or a sequence of non-negative ints"
-        raise TypeError(msg)
-    if not isinstance(dtype, torch.dtype):
-        msg = f"dtype={dtype!r} must be a torch.dtype, such as torch.float32"
-        raise TypeError(msg)
-    peer = g.peer_index(src, g.prev_rank, "src")
-    out = torch.empty(tuple(dims), dtype=dtype, device=g.device)
+    peer = _ends(g, "recv", src, lambda: _check.tensor_of(shape, dtype))
+    out = torch.empty(shape, dtype=dtype, device=g.device)
     _rooted.recv_from(out, g.device_group, peer)
     return out

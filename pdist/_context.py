@@ -238,7 +238,11 @@ class _Distributed:
         )
         layout = settings.layout
         deadline.stage = f"building the groups {', '.join(layout.group_names)}"
-        axes = _subgroups.build_axes(world, layout, timeout=settings.subgroup_timeout)
+        # With the layout, every setting that changes what goes on the wire: check mode adds
+        # an agreement before each call, the backend and device type make the communicator.
+        wire = f"check={settings.check}, backend={settings.backend}, device={settings.device.type}"
+        timeout = settings.subgroup_timeout
+        axes = _subgroups.build_axes(world, layout, timeout=timeout, settings=wire)
         deadline.stage = "detecting which ranks share a host"
         nodes = _topology.node_partition(world)
         deadline.stage = "building the node groups"
@@ -382,16 +386,17 @@ def distributed(
         on_stall: ``"report"``: log the report (``pdist`` logger, ERROR) and keep waiting;
             ``"exit"``: log it, then every answering rank exits with
             [`STALL_EXIT_CODE`][pdist.STALL_EXIT_CODE]. Default ``"report"``, or ``PDIST_ON_STALL``.
-        check: Check mode: every pdist tensor collective first agrees on its op, shapes,
-            dtypes and dims through one small all-gather on the CPU group, and a difference
-            raises [`RankMismatchError`][pdist.RankMismatchError] on every rank naming each rank's
-            shapes and dtypes, instead of a backend error on one rank and a wrong tensor on
-            another. It costs that round trip per call (``pdist bench``'s "check mode"
-            cases: about 2x a small gloo all_reduce): on in tests and while debugging, off
-            in production. ``PDIST_CHECK=1``
-            turns it on too. For raw ``torch.distributed`` calls, torch's own check is
-            ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, read when the groups are made: set it in
-            ``os.environ`` before entering ``distributed()``.
+        check: Check mode: every pdist call that communicates first agrees on its name, op,
+            shapes, dtypes and dims through one small all-gather on the CPU group (the two
+            ends of a send/recv swap theirs), and a difference raises
+            [`RankMismatchError`][pdist.RankMismatchError] on every rank naming each rank's call,
+            instead of a backend error on one rank and a wrong tensor on another. All ranks
+            must agree on it (checked at entry, with the layout). It costs that round trip
+            per call (``pdist bench``'s "check mode" cases: about 2x a small gloo
+            all_reduce): on in tests and while debugging, off in production.
+            ``PDIST_CHECK=1`` turns it on too. For raw ``torch.distributed`` calls, torch's
+            own check is ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, read when the groups are made:
+            set it in ``os.environ`` before entering ``distributed()``.
         store: A ``torch.distributed.Store`` to rendezvous through instead of the launcher's.
         rank: Overrides the launcher's rank.
         world_size: Overrides the launcher's world size.
@@ -407,7 +412,8 @@ def distributed(
             beside a tp/sp/cp/pp keyword, an ``axes`` name that is a derived group's
             (``world``, ``node``, ``dp_sp``, ``ep``, ``edp``), a bad backend, device,
             duration or ``on_stall``; all before any communicator exists.
-        RankMismatchError: On entry, when ranks passed different layouts (on every rank).
+        RankMismatchError: On entry, on every rank, when ranks passed different layouts, or
+            differ in check mode (``check``, ``PDIST_CHECK``), backend or device type.
         PdistError: Entered twice, or the hosts hold different numbers of ranks (on every
             rank).
     """

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _agree, _payload, _rooted, _wire
+from . import _agree, _check, _payload, _rooted, _wire
 from ._buffers import ALIGN, allocate, bytes_of, filled, offsets
 from ._compat import all_gather_into
 from ._departures import naming, wait_all
@@ -193,6 +193,7 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
     """
     g = as_group(group)
     what = "all_gather_object"
+    _check.agree_name(g, what)
     safe, encoded, error = _encode_own(g, obj, safe)
     if g.world_size == 1:
         return _alone(g, encoded, error)
@@ -274,6 +275,7 @@ def gather_object(
     """
     g = as_group(group)
     what = "gather_object"
+    _check.agree_name(g, what, dst=dst)
     dst_global = g.global_rank(dst, name="dst")
     safe, encoded, error = _encode_own(g, obj, safe)
     if g.world_size == 1:

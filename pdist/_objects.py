@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import _agree, _payload, _rooted, _wire
+from . import _agree, _check, _payload, _rooted, _wire
 from ._departures import wait_all
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
@@ -47,6 +47,8 @@ def _broadcast(
     what: str,
 ) -> Any:
     """Broadcast ``obj`` from ``src``; ``check``'s error on the source, or ``error``, travels."""
+    if group.header_transport is None:  # a message queue's broadcast takes no collective
+        _check.agree_name(group, what, src=src)
     group.global_rank(src)
     if error is None:
         safe, error = safe_or_error(safe, group.rank)

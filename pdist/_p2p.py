@@ -7,12 +7,13 @@ that its failure to decode or allocate reaches the sender instead of leaving it 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from . import _agree, _rooted, _wire
+from . import _agree, _check, _rooted, _wire
 from ._buffers import ALIGN
 from ._compat import all_gather_into
 from ._departures import naming, wait_all
@@ -36,6 +37,17 @@ def _peer(g: Group, index: int | None, default_global: int, name: str) -> int:
         )
         raise ValueError(msg)
     return peer
+
+
+def _ends(g: Group, peer: int, name: str, travels: str) -> None:
+    """Check mode: the two ends swap what they pass first (``_check.agree_ends``).
+
+    So that a tensor ``send``/``recv`` on the other end raises on both instead of pairing
+    its transfer with this call's header.
+    """
+    send = functools.partial(_wire.send_bytes, g, dst=peer, what=f"{name} (check mode)")
+    recv = functools.partial(_wire.recv_bytes, g, peer, what=f"{name} (check mode)")
+    _check.agree_ends(g, name, lambda: travels, peer=peer, send=send, recv=recv)
 
 
 def _part(flat: torch.Tensor, split: Group | None) -> torch.Tensor:
@@ -183,7 +195,9 @@ def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
         PdistError: This rank or the receiver failed (on both, naming it).
     """
     g = as_group(group)
-    _send_payload(g, _peer(g, dst, g.next_rank, "dst"), lambda: obj, what="send_object")
+    peer = _peer(g, dst, g.next_rank, "dst")
+    _ends(g, peer, "send_object", "an object")
+    _send_payload(g, peer, lambda: obj, what="send_object")
 
 
 def recv_object(group: Group | DistContext, src: int, *, safe: Safe = False) -> Any:
@@ -202,7 +216,9 @@ def recv_object(group: Group | DistContext, src: int, *, safe: Safe = False) -> 
             the object (then the sender raises too when tensors were to follow).
     """
     g = as_group(group)
-    return _recv_payload(g, _peer(g, src, g.prev_rank, "src"), safe=safe, what="recv_object")
+    peer = _peer(g, src, g.prev_rank, "src")
+    _ends(g, peer, "recv_object", "an object")
+    return _recv_payload(g, peer, safe=safe, what="recv_object")
 
 
 def _check_split(all_gather_group: object, g: Group) -> Group | None:
@@ -242,6 +258,7 @@ def send_tensor_dict(
     """
     g = as_group(group)
     peer = _peer(g, dst, g.next_rank, "dst")
+    _ends(g, peer, "send_tensor_dict", "a tensor dict")
 
     def make() -> Mapping[Any, Any]:
         _check_split(all_gather_group, g)
@@ -276,6 +293,7 @@ def recv_tensor_dict(
     g = as_group(group)
     what = "recv_tensor_dict"
     peer = _peer(g, src, g.prev_rank, "src")
+    _ends(g, peer, what, "a tensor dict")
     error: BaseException | None = None
     split: Group | None = None
     try:

@@ -13,7 +13,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 import torch.distributed as dist
 
-from . import _wire
+from . import _check, _wire
 from ._departures import naming
 from ._errors import RemoteError
 from ._group import DistContext, Group, as_group
@@ -67,6 +67,7 @@ def barrier(group: Group | DistContext) -> None:
         All ranks of the group must call it. A no-op on a one-rank group.
     """
     g = as_group(group)
+    _check.agree_name(g, "barrier")
     if g.world_size > 1:
         with naming(g, "barrier"):
             dist.barrier(group=g.cpu_group)

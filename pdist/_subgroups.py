@@ -164,14 +164,18 @@ def _require(group: Group | None, name: str) -> Group:
     return group
 
 
-def build_axes(world: Group, layout: Layout, *, timeout: timedelta) -> dict[str, Group]:
+def build_axes(
+    world: Group, layout: Layout, *, timeout: timedelta, settings: str = ""
+) -> dict[str, Group]:
     """The caller's group of every name in ``layout.group_names``, once all ranks agree on it.
 
     Ranks that built different partitions would each get a group the others never join.
+    ``settings``: the other settings every rank must share, agreed in the same exchange.
     The axes are built fastest first (then the one-rank groups of absent canonical axes,
     then ``dp_sp``, ``ep``, ``edp``): a partition equal to one built before reuses it.
     """
-    _agree.check_same(world, "distributed()", layout.describe(), None)
+    agreed = ", ".join(filter(None, [layout.describe(), settings]))
+    _agree.check_same(world, "distributed()", agreed, None)
     world.lifetime.subgroup_timeout = timeout
     order = (*reversed(layout.names), *layout.group_names[len(layout.names) :])
     return {

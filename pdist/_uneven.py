@@ -137,10 +137,11 @@ def all_to_all(
 
     Note:
         With both counts given, pdist adds no exchange: the caller vouches that
-        ``recv_counts[j]`` on rank ``i`` is ``send_counts[i]`` on rank ``j``, and a
-        wrong count fails only where it is wrong (the others wait in the data
-        exchange). Check mode (``distributed(check=True)`` or ``PDIST_CHECK=1``)
-        verifies them, with the row shape and dtype: every rank raises instead.
+        ``recv_counts[j]`` on rank ``i`` is ``send_counts[i]`` on rank ``j``. A count
+        above what rank ``j`` sends leaves zeros in the rows it does not fill; one
+        below it fails in the backend (gloo aborts the receiving process). Check mode
+        (``distributed(check=True)`` or ``PDIST_CHECK=1``) verifies them, with the row
+        shape and dtype: every rank raises instead.
 
     Note:
         The backward is an all-to-all too, so every rank must run it when any
@@ -192,7 +193,9 @@ def all_to_all(
     fields: dict[str, object] = {"counts": how}
     if not exchanged:  # nothing carries the need for a gradient: the ranks must agree on it
         fields["requires_grad"] = _records(x)
-    _check.agree_args(g, "all_to_all", _check.describe(x, rows=True), error, **fields)
+    # Even counts: every rank sends and expects N / P rows of each, so N must agree too.
+    seen = _check.describe(x, rows=send_counts is not None)
+    _check.agree_args(g, "all_to_all", seen, error, **fields)
     grad = False
     if exchanged:  # the need for a gradient rides with the counts
         records = None if error else [[c, grad_flag(x)] for c in send]
@@ -311,7 +314,8 @@ def _forward(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) ->
 def _eager(
     group: Group, x: torch.Tensor, send: list[int], recv: list[int], *, what: str
 ) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
+    # Written, never left: rows a peer does not send (a vouched count too high) stay zero.
+    out = x.new_zeros((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
     return out
 
@@ -353,8 +357,9 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
     """``all_gather`` of shards of ``sizes[r]`` along ``dim`` (normalized); differentiable.
 
     The caller vouches that every rank passes the same ``sizes``: only this rank's
-    entry can be checked here (against ``x``), so a difference fails where it shows
-    while the others wait. Check mode compares them (and ``x``'s other dims, dtype and
+    entry can be checked here (against ``x``). A list that overstates a peer's size
+    leaves zeros where that peer sends nothing; one that understates it fails in the
+    backend. Check mode compares them (and ``x``'s other dims, dtype and
     ``requires_grad``: a rank that records no backward strands the others in theirs)
     on every rank first.
     """

@@ -36,7 +36,7 @@ from typing import NamedTuple, cast
 
 import torch
 
-from . import _agree, _compat, _departures, _plain, _rooted, _seams, _wire
+from . import _agree, _check, _compat, _departures, _plain, _rooted, _seams, _wire
 from ._buffers import allocate, resolved
 from ._errors import HEADER, PdistError, RankMismatchError
 from ._group import DistContext, Group, ProcessGroup, as_group
@@ -453,6 +453,7 @@ def broadcast_weights(
         RankMismatchError: On every member, when members passed different ``src``.
     """
     g = as_group(group)
+    _check.agree_name(g, "broadcast_weights")  # check mode: the call is named
     what = "broadcast_weights"
     error: BaseException | None = None
     entries: list[Entry] = []

@@ -9,6 +9,7 @@ import torch
 
 import pdist
 from pdist._collectives import generic_path  # the documented seam: NCCL's paths, on gloo
+from pdist._env import env_flag
 from pdist.testing import spawn, world_sizes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -450,23 +451,31 @@ def test_send_recv_take_a_shape_or_an_int_size(ctx):
 
 @world_sizes(2)
 def test_recv_checks_every_argument_before_receiving(ctx):
-    """A bad shape, dtype or src raises on the calling rank before anything is received."""
-    for shape, match in (
-        ("64", r"shape='64' must be an int or a sequence of non-negative ints"),
-        ((2, 2.0), r"shape=\(2, 2.0\) must be an int"),
-        ((2, -1), r"shape=\(2, -1\)"),
-        (True, r"shape=True"),
-        (None, r"shape=None"),
-    ):
-        with pytest.raises(TypeError, match=match):
-            pdist.recv(ctx, shape, torch.float32)
-    with pytest.raises(TypeError, match=r"dtype='float32' must be a torch.dtype"):
-        pdist.recv(ctx, 4, "float32")
-    with pytest.raises(ValueError, match=r"src=2 is outside group 'world' of size 2"):
-        pdist.recv(ctx, 4, torch.float32, src=2)
-    # Checked in order, and none of them waited for a peer.
-    with pytest.raises(TypeError, match="shape="):
-        pdist.recv(ctx, "64", "float32", src=7)
+    """A bad shape or dtype raises before anything is received; a bad src on its rank alone.
+
+    In check mode (the harness's) the sender hears the receiver's error and raises it too.
+    """
+    cases = (
+        ("64", torch.float32, r"shape='64' must be an int or a sequence of non-negative ints"),
+        ((2, 2.0), torch.float32, r"shape=\(2, 2.0\) must be an int"),
+        ((2, -1), torch.float32, r"shape=\(2, -1\)"),
+        (True, torch.float32, r"shape=True"),
+        (None, torch.float32, r"shape=None"),
+        (4, "float32", r"dtype='float32' must be a torch.dtype"),
+    )
+    for shape, dtype, match in cases:
+        if ctx.rank == 0:
+            with pytest.raises(TypeError, match=match):
+                pdist.recv(ctx, shape, dtype, src=1)
+        elif env_flag("PDIST_CHECK", False):
+            with pytest.raises(TypeError, match="send .*failed on rank 0: TypeError: " + match):
+                pdist.send(ctx, torch.ones(4), dst=0)
+    if ctx.rank == 0:
+        with pytest.raises(ValueError, match=r"src=2 is outside group 'world' of size 2"):
+            pdist.recv(ctx, 4, torch.float32, src=2)
+        # Checked in order, and none of them waited for a peer.
+        with pytest.raises(TypeError, match="shape="):
+            pdist.recv(ctx, "64", "float32", src=7)
 
 
 def test_options_after_the_tensor_are_keyword_only():

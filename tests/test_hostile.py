@@ -251,6 +251,7 @@ class _Ctx:
 
 def _hostile_rank(path: str, marker: str) -> list[tuple[str, str]]:
     outcomes = []
+    os.environ["PDIST_CHECK"] = "0"  # the attacker writes raw frames: no check-mode agreement
     with pdist.distributed(timeout=30) as ctx:
         for name, status, body in _messages(marker):
             # A refused slot poisons a queue (by design): each message gets a fresh one.
@@ -358,6 +359,7 @@ SIZE_PATHS = ["broadcast_object", "recv_object", "all_gather_object", "gather_ob
 
 def _sizes_rank(path: str) -> list[tuple[int, str]]:
     outcomes = []
+    os.environ["PDIST_CHECK"] = "0"  # the attacker writes raw frames: no check-mode agreement
     with pdist.distributed(timeout=30) as ctx:
         lengths = [HUGE, (1 << 63) - 1] + ([-100] if path == "all_gather_object" else [])
         for length in lengths:
@@ -440,6 +442,7 @@ def _layouts() -> list[tuple[str, bytes, int | None, str]]:
 
 def _layouts_rank(safe: bool) -> list[tuple[str, str]]:
     outcomes = []
+    os.environ["PDIST_CHECK"] = "0"  # the attacker writes raw frames: no check-mode agreement
     with pdist.distributed(timeout=30) as ctx:
         pg = ctx.world.cpu_group
         for name, message, nbytes, _ in _layouts():
@@ -481,6 +484,7 @@ def test_padding_on_the_wire_is_zeros():
 
 
 def _sync_victim(record):
+    os.environ["PDIST_CHECK"] = "0"  # the attacker writes raw frames: no check-mode agreement
     with pdist.distributed(timeout=30) as ctx:
         if ctx.rank == 0:  # a digest that differs, then its record instead of [src, entries]
             _agree.status(ctx.world, None, what="attack", summary="not the victim's")

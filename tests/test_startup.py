@@ -304,7 +304,9 @@ def _different_tp() -> str:
 def test_ranks_asking_for_different_layouts_fail_together():
     """tp=2 on rank 0 but tp=1 on rank 1: both raise naming the ranks, rather than hang."""
     for message in spawn(_different_tp, 2, timeout=90):
-        assert "ranks [0]: tp=2, sp=1; ranks [1]: tp=1, sp=1" in message
+        # The layout, then the settings agreed with it (check mode, backend, device type).
+        assert "ranks [0]: tp=2, sp=1, check=" in message, message
+        assert "; ranks [1]: tp=1, sp=1, check=" in message, message
 
 
 def _mesh(tp: int, sp: int, axes) -> tuple:
