@@ -57,7 +57,8 @@ def exchange(
             raise_own(group, error, what, wrap_pdist=True)
         return [list(r) for r in records] if records is not None else []
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group.cpu_group)
+    with _check.explaining(group, what, counted=False):  # a peer gone here is named
+        dist.all_to_all_single(recv, send, group=group.cpu_group)
     if bool((recv[:, 0] < 0).any()):
         spread(group, error, what=what)  # every rank raises the first failing rank's error
     return cast("list[list[int]]", recv[:, 1:].tolist())
@@ -230,7 +231,8 @@ def _eager(
     group: Group, x: torch.Tensor, send: list[int], recv: list[int], *, what: str
 ) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
+    with _check.explaining(group, what):  # as every eager collective: a peer gone is named
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
     return out
 
 

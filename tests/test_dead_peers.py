@@ -207,6 +207,8 @@ def test_sigterm_while_the_segment_exists_leaves_no_shm_file():
 # inside the except clause), so the last one to fail (rank 0 of a ring, whose neighbours
 # close their connections only as they exit) reads their exit records.
 NAMED_IN = """
+    import torch.nn.functional as F
+
     with pdist.distributed(timeout=TIMEOUT) as ctx:
         if ctx.rank == 2:
             die_at(KILLED_AT)
@@ -219,9 +221,19 @@ NAMED_IN = """
                     pdist.all_reduce(ctx, x)
                 elif CALL == "all_gather_object":
                     pdist.all_gather_object(ctx, {"step": step, "rank": ctx.rank})
-                else:
+                elif CALL == "broadcast_weights":
                     mine = weights if ctx.rank == 0 else None
                     pdist.broadcast_weights(ctx, mine, bucket_bytes=4096)
+                elif CALL == "all_to_all":  # rank 0 sends nothing; the counts are exchanged
+                    counts = [0, 0, 0, 0] if ctx.rank == 0 else [1, 2, 0, 3]
+                    pdist.all_to_all(ctx, torch.ones(sum(counts), 4), counts)
+                elif CALL == "moe_dispatch":
+                    ids = torch.randint(0, 8, (6, 2))
+                    pdist.moe_dispatch(ctx, torch.randn(6, 4), ids, num_experts=8)
+                else:  # ulysses_attention, chunks of 3 tokens and 4 heads of 8
+                    q = torch.randn(1, 4, 3, 8)
+                    sdpa = pdist.ulysses_attention(ctx, F.scaled_dot_product_attention)
+                    sdpa(q, q, q)
 
         start = time.monotonic()
         try:
@@ -236,6 +248,12 @@ KILLED_IN = {
     "all_reduce": ("all_reduce", 3),
     "all_gather_object": ("all_gather", 4),
     "broadcast_weights": ("broadcast", 3),
+    # The counts' exchange is one all_to_all_single and the rows another (ulysses_attention:
+    # q, k, v and the output two more): the 4th and 5th are each call's second step's data.
+    "all_to_all": ("all_to_all_single", 4),
+    "moe_dispatch": ("all_to_all_single", 4),
+    "ulysses_attention": ("all_to_all_single", 5),
+    "all_to_all, at the counts": ("all_to_all_single", 3),
 }
 
 
@@ -251,7 +269,7 @@ def test_survivors_name_the_killed_rank_first_and_no_live_rank(call):
     """Rank 2 of 4 SIGKILLed in a call: each survivor names rank 2 first, and no live rank."""
     name, nth = KILLED_IN[call]
     script = NAMED_IN.replace("TIMEOUT", str(TIMEOUT)).replace("KILLED_AT", f"{name!r}, {nth}")
-    code = PRELUDE + script.replace("CALL", repr(call))
+    code = PRELUDE + script.replace("CALL", repr(call.split(",")[0]))
     results = run_ranks(code, 4, timeout=120)
     assert results[2].returncode == 128 + 9, results[2].output  # SIGKILL
     for r in results:
