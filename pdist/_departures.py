@@ -359,8 +359,12 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
         return missing, listening, left + _records(conn, prefix, cited)  # not members
 
     try:
-        # A store that takes seconds to answer under load is not gone: a wide bound.
-        missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
+        # A store that takes seconds to answer under load is not gone: a wide bound, and
+        # a second look (one that fails at once, refused, fails at once again).
+        try:
+            missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
+        except StoreGoneError:
+            missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
     except StoreGoneError:
         msg = (
             f"{what} on group {group.name!r} failed, and the rendezvous store does not answer "
