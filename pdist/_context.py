@@ -276,6 +276,7 @@ class _Distributed:
         # groups: torch 2.13 with gloo can abort at exit when such a cycle outlives its group.
         gc.collect()
         if self._lifetime is not None:
+            _departures.stop_listening(self._lifetime)
             self._lifetime.close()
         restore, self._restore = self._restore, []
         for undo in reversed(restore):

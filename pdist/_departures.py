@@ -12,11 +12,18 @@ exception leaves its block. Every store access runs on its own connection in a
 daemon thread with a bounded wait (principle 15): a store that is gone too (its
 host was the rank that left) makes the survivor say so instead of waiting.
 
-A rank that left no line (killed, out of memory, ``os._exit``) is found by a roll call:
-the survivors of a small group each set a key of their own and, for a couple of
-seconds, look for the others'; the members that never answer are named as most likely
-gone. A link (``pdist.link``) keeps its records in its own store, so the members of two
-jobs name each other too.
+A rank that left no line (killed, out of memory, ``os._exit``) is found by a roll call.
+From its first pdist collective of a block on (``distributed()``'s start-up agreement, or
+a link's first call), every rank answers roll calls from a daemon thread of its own
+(``pdist-roll-call``, blocked in a store wait), so a rank that is alive but blocked in a
+collective answers too; a survivor of a small group wakes the others' threads and, for a
+couple of seconds, looks for their answers. A member whose thread was answering and does
+not answer is gone; one that started no thread (its store gave it no connection of its
+own) is "not known", never guessed. A survivor names the root
+cause first: the ranks gone without a record, and the ranks whose own error made them
+leave; then the ranks that left because of those (their records say whom they followed).
+A link (``pdist.link``) keeps its records in its own store, so the members of two jobs
+name each other too.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from . import _compat
 from ._compat import Store, TCPStore
@@ -58,6 +65,10 @@ _ROLL_CALL_SECONDS = 2.0
 _ROLL_CALL_MAX = 64
 LINK_PREFIX = "pdist/link/"  # where pdist.link keeps its store's keys (its exit records too)
 _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's departure
+# How long a rank's roll-call thread waits for a roll call (bounded, principle 15; a store
+# wait that times out makes torch log, so it is long). It ends with the store, or on a call.
+_LISTEN = timedelta(hours=1)
+_LISTENER = "_pdist_roll_call"  # the Lifetime attribute: this block's thread is started
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
     for m in (sys.modules["torch"], sys.modules[__name__.rsplit(".", 1)[0]])
@@ -129,55 +140,246 @@ def _rank_word(lifetime: Lifetime) -> str:
     return "link rank" if records is not None and records[1].startswith(LINK_PREFIX) else "rank"
 
 
-def record(lifetime: Lifetime, rank: int, exc: BaseException, *, echo: bool = False) -> None:
+class _Left(NamedTuple):
+    """A member's exit record: its own failure, or the echo of ``after`` (whom it followed)."""
+
+    rank: int
+    primary: bool
+    after: tuple[int, ...]
+    line: str
+
+
+def _ranks(ranks: Iterable[int], word: str = "rank") -> str:
+    listed = sorted(ranks)
+    return ", ".join(f"{word} {r}" for r in listed) if listed else "a peer"
+
+
+def _followed(exc: BaseException) -> tuple[bool, tuple[int, ...]]:
+    """Whether ``exc`` (or what it was raised from, or while handling) is a peer's departure.
+
+    Also the ranks that departure named: a script that prints a PeerLeftError and calls
+    ``sys.exit`` in its ``except`` clause followed them, it did not fail on its own.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, PeerLeftError):
+            return True, e.ranks
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False, ()
+
+
+def record(
+    lifetime: Lifetime,
+    rank: int,
+    exc: BaseException,
+    *,
+    echo: bool = False,
+    after: tuple[int, ...] = (),
+) -> None:
     """Record that ``rank`` leaves its block through ``exc`` (best effort, bounded).
 
-    ``echo``: the failure followed a peer's departure (a reader names the peer first).
+    ``echo``: the failure followed a peer's departure, ``after`` names those peers (a
+    reader names them first); a PeerLeftError in ``exc``'s chain makes it one too.
     """
     if lifetime.exit_records is None:
         return
     store, prefix = lifetime.exit_records
-    kind = _ECHO if echo or isinstance(exc, PeerLeftError) else _PRIMARY
-    line = f"{kind}{_rank_word(lifetime)} {rank} left the job: {summary(exc)}"
+    followed, named = _followed(exc)
+    word = _rank_word(lifetime)
+    if followed or echo:
+        after = named or after
+        why = f"{type(exc).__name__}{_user_frame(exc)}"
+        why = why if isinstance(exc, PeerLeftError) else summary(exc)
+        value = f"{_ECHO}{','.join(map(str, after))}|{word} {rank} left the job because of "
+        value += f"{_ranks(after, word)}: {why}" if after else f"a peer that went away: {why}"
+    else:
+        value = f"{_PRIMARY}|{word} {rank} left the job: {summary(exc)}"
 
     def write() -> None:
         conn = _connection(store)
-        conn.set(f"{prefix}/left/{rank}", line)
+        conn.set(f"{prefix}/left/{rank}", value)
         conn.add(f"{prefix}/left/count", 1)
+        conn.set(f"{prefix}/roll/{rank}", "exit")  # this rank's roll-call thread ends
 
     with contextlib.suppress(StoreGoneError):  # nobody can read it either
         bounded(write)
 
 
-def _read(lifetime: Lifetime, ranks: tuple[int, ...]) -> list[str]:
-    """The departure lines of ``ranks``, the primary ones (or, lacking those, the echoes)."""
+def _parse(rank: int, raw: str) -> _Left:
+    """A peer's record (plain text, never code): ``P|line`` or ``E<ranks>|line``."""
+    head, _, line = raw.partition("|")
+    after = tuple(int(x) for x in head[1:].split(",") if x.isdigit())
+    return _Left(rank, head[:1] != _ECHO, after, line)
+
+
+def _records(conn: Store, prefix: str, ranks: Iterable[int]) -> list[_Left]:
+    """The exit records of ``ranks`` that left one, in rank order (unbounded: bound it)."""
+    wanted = sorted(set(ranks))
+    if not wanted or conn.add(f"{prefix}/left/count", 0) == 0:
+        return []
+    keys = {r: f"{prefix}/left/{r}" for r in wanted}
+    got = [(r, k) for r, k in keys.items() if conn.check([k])]
+    return [_parse(r, conn.get(k).decode(errors="replace")) for r, k in got]
+
+
+def _read(lifetime: Lifetime, ranks: Iterable[int]) -> list[_Left]:
+    """The exit records of ``ranks`` that left one, in rank order (bounded)."""
     if lifetime.exit_records is None:
         return []
     store, prefix = lifetime.exit_records
+    return bounded(lambda: _records(_connection(store), prefix, ranks))
 
-    def read() -> list[str]:
-        conn = _connection(store)
-        if conn.add(f"{prefix}/left/count", 0) == 0:
-            return []
-        keys = [f"{prefix}/left/{r}" for r in ranks]
-        return [conn.get(k).decode(errors="replace") for k in keys if conn.check([k])]
 
-    lines = bounded(read)
-    primary = [line[1:] for line in lines if line.startswith(_PRIMARY)]
-    return primary or [line[1:] for line in lines]
+def _listen(group: Group) -> None:
+    """Start this rank's roll-call thread for ``group``'s block, once; it answers for the rank.
+
+    The first call of a block connects and says in the store that this rank answers (one
+    connection and one key, bounded) before its collective: a rank that dies just after
+    is then known to be gone, not "not known". The thread holds that connection only, not
+    the store (a link's member 0 must be able to free its port).
+    """
+    lifetime = group.lifetime
+    if lifetime.exit_records is None or group.world_size == 1 or _LISTENER in vars(lifetime):
+        return
+    mine = object()
+    if vars(lifetime).setdefault(_LISTENER, mine) is not mine:
+        return  # another thread of this rank started it
+    store, prefix = lifetime.exit_records
+
+    def connect() -> Store | None:
+        if isinstance(store, TCPStore):
+            conn: Store | None = _connection(store)
+        else:  # a connection of its own, or none: a wait on a shared one blocks the rank
+            conn = _compat.store_connection(store, timedelta(seconds=_STORE_TIMEOUT))
+        if conn is not None:
+            conn.set(f"{prefix}/listening/{group.rank}", "1")
+        return conn
+
+    try:
+        conn = bounded(connect)
+    except StoreGoneError:
+        return  # this rank is "not known" to a roll call
+    if conn is not None:
+        args = (conn, f"{prefix}/roll/{group.rank}", f"{prefix}/here/{group.rank}")
+        threading.Thread(target=_answer, args=args, name="pdist-roll-call", daemon=True).start()
+        vars(lifetime)[_LISTENER] = args[1]  # where closing the block ends the thread
+
+
+def stop_listening(lifetime: Lifetime) -> None:
+    """End this rank's roll-call thread, if it started, as its block closes (bounded).
+
+    Its wait would otherwise hold a store connection for up to ``_LISTEN`` after the block
+    (the launcher's store outlives it); a rank that left through an error ended it already.
+    """
+    call = vars(lifetime).get(_LISTENER)
+    if lifetime.exit_records is None or not isinstance(call, str):
+        return
+    store = lifetime.exit_records[0]
+    with contextlib.suppress(StoreGoneError):
+        bounded(lambda: _connection(store).set(call, "exit"))
+
+
+def _answer(conn: Store, call: str, here: str) -> None:
+    """The roll-call thread: wait for a call (bounded), answer it once, end."""
+    try:
+        conn.wait([call], _LISTEN)
+        if conn.get(call) != b"exit":
+            conn.set(here, "1")
+    except Exception:  # a store gone, or no call within the bound: nothing to answer
+        return
+
+
+def _roll_call(conn: Store, group: Group, prefix: str) -> tuple[list[int], set[int]]:
+    """The other members that neither answer a roll call nor record an exit (unbounded).
+
+    Also those of them whose roll-call thread had been answering (the others started none:
+    whether they are gone is not known).
+    """
+    others = [r for r in group.ranks if r != group.rank]
+    if len(others) >= _ROLL_CALL_MAX:
+        return [], set()  # no roll call: each survivor would read every member's key
+    conn.set(f"{prefix}/here/{group.rank}", "1")
+    for r in others:
+        conn.set(f"{prefix}/roll/{r}", "1")  # wakes r's thread
+    missing = others
+    deadline = time.monotonic() + _ROLL_CALL_SECONDS
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.05)
+        missing = [
+            r
+            for r in missing
+            if not conn.check([f"{prefix}/here/{r}"]) and not conn.check([f"{prefix}/left/{r}"])
+        ]
+    return missing, {r for r in missing if conn.check([f"{prefix}/listening/{r}"])}
+
+
+def _gone_line(rank: int, echo: _Left | None, word: str) -> str:
+    if echo is not None:
+        why = f"{word} {echo.rank} left the job because of it, and it left no exit record"
+    else:
+        why = (
+            f"it did not answer a roll call through the store within {_ROLL_CALL_SECONDS:g} s: "
+            "killed, out of memory, or os._exit"
+        )
+    return f"{word} {rank} went away without a word ({why})"
+
+
+def _verdict(
+    group: Group, left: list[_Left], missing: list[int], listening: set[int], called: bool
+) -> tuple[list[str], tuple[int, ...]]:
+    """The lines that name who left, root cause first, and the root-cause ranks."""
+    recorded = {x.rank for x in left}
+    answered = {r for r in group.ranks if called and r not in missing}
+    echoes = [x for x in left if not x.primary]
+    cited = {r: x for x in echoes for r in x.after if r not in recorded | answered}
+    silent = sorted({r for r in missing if r in listening} | set(cited) - {group.rank})
+    primary = [x for x in left if x.primary]
+    word = _rank_word(group.lifetime)
+    lines = [
+        _gone_line(r, None if r in missing and r in listening else cited[r], word) for r in silent
+    ]
+    lines += [x.line for x in primary]
+    causes = (*silent, *(x.rank for x in primary))
+    if not causes:  # nothing known to be gone on its own: say what is not known
+        lines += [
+            f"{word} {r} did not answer a roll call within {_ROLL_CALL_SECONDS:g} s and left no "
+            "exit record; not known whether it went away (it started no roll-call thread, "
+            "so its silence proves nothing)"
+            for r in missing
+            if r not in listening
+        ]
+    return [*lines, *(x.line for x in echoes)], causes
 
 
 def explained(group: Group, what: str, error: BaseException) -> BaseException | None:
     """The error to raise instead of ``error`` (a failed collective ``what``), or None.
 
-    Names the ranks of ``group`` that left their blocks, or says the store is gone too.
+    Names the members of ``group`` that left, the root cause first (module docstring),
+    and only those known to be gone; or says the store is gone too.
     """
-    if isinstance(error, PdistError) or not isinstance(error, RuntimeError):
+    records = group.lifetime.exit_records
+    if isinstance(error, PdistError) or not isinstance(error, RuntimeError) or records is None:
         return None
-    others = tuple(r for r in group.ranks if r != group.rank)
+    others = [r for r in group.ranks if r != group.rank]
     where = f"this rank was in {what} on group {group.name!r}"
+    store, prefix = records
+
+    def look() -> tuple[list[int], set[int], list[_Left]]:
+        conn = _connection(store)  # one connection for it all (a loaded store is slow)
+        missing, listening = _roll_call(conn, group, prefix)
+        left = _records(conn, prefix, others)
+        cited = {r for x in left if not x.primary for r in x.after} - {*others, group.rank}
+        return missing, listening, left + _records(conn, prefix, cited)  # not members
+
     try:
-        lines = _read(group.lifetime, others)
+        # A store that takes seconds to answer under load is not gone: a wide bound, and
+        # a second look (one that fails at once, refused, fails at once again).
+        try:
+            missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
+        except StoreGoneError:
+            missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
     except StoreGoneError:
         word = _rank_word(group.lifetime)
         host = "link rank 0" if word == "link rank" else "rank 0, or the launcher's agent"
@@ -187,21 +389,10 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
             "most likely exited; look at its output first"
         )
         return PeerLeftError(msg, store_gone=True)
-    records = group.lifetime.exit_records
-    if not lines and records is not None and len(group.ranks) <= _ROLL_CALL_MAX:
-        try:
-            missing = _roll_call(group, *records)
-        except StoreGoneError:
-            missing = []
-        word = _rank_word(group.lifetime)
-        lines = [
-            f"{word} {r} went away without a word (it did not answer a roll call through the "
-            f"store within {_ROLL_CALL_SECONDS:g} s: killed, out of memory, or os._exit)"
-            for r in missing
-        ]
+    lines, causes = _verdict(group, left, missing, listening, len(group.ranks) <= _ROLL_CALL_MAX)
     if not lines:
         return None
-    return PeerLeftError("; ".join([*lines, where]))
+    return PeerLeftError("; ".join([*lines, where]), ranks=causes)
 
 
 @contextlib.contextmanager
@@ -209,8 +400,10 @@ def naming(group: Group, what: str) -> Iterator[None]:
     """Collectives of ``what`` whose failure raises as ``explained``'s error, if any.
 
     Wrap only communicator calls: a local ``RuntimeError`` would start a roll call, and
-    its peers, still in the collective, would not answer it.
+    its peers, still in the collective, would not answer it. The first one of a block
+    starts this rank's roll-call thread (:func:`_listen`).
     """
+    _listen(group)
     try:
         yield
     except RuntimeError as exc:
@@ -227,41 +420,26 @@ def wait_all(group: Group, works: Iterable[Any], what: str) -> None:
             work.wait()
 
 
-def _roll_call(group: Group, store: Store, prefix: str) -> list[int]:
-    """The members of ``group`` that never answer a roll call through the store (bounded)."""
-    key = f"{prefix}/here/{group.name}/{{}}"
-
-    def call() -> list[int]:
-        conn = _connection(store)
-        conn.set(key.format(group.rank), "1")
-        missing = [r for r in group.ranks if r != group.rank]
-        deadline = time.monotonic() + _ROLL_CALL_SECONDS
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not conn.check([key.format(r)])]
-            if missing:
-                time.sleep(0.05)
-        return missing
-
-    return bounded(call, _ROLL_CALL_SECONDS + _WAIT)
-
-
 def left_block(lifetime: Lifetime, rank: int, world_size: int, exc: BaseException) -> None:
     """At the block's exit through ``exc``: print which peers left before, and record it."""
     if lifetime.exit_records is None or world_size == 1:
         return
     if isinstance(exc, PeerLeftError) and exc.store_gone:
         return  # nowhere to record it
+    left: list[_Left] = []
     lines: list[str] = []
-    gone = False
     if isinstance(exc, RuntimeError) and not isinstance(exc, PeerLeftError):
         # Perhaps a collective pdist does not run (DDP, a raw dist.all_reduce) failed.
         try:
-            lines = _read(lifetime, tuple(r for r in range(world_size) if r != rank))
+            left = _read(lifetime, (r for r in range(world_size) if r != rank))
         except StoreGoneError:
-            gone = True
             lines = ["the rendezvous store does not answer: its host (rank 0) most likely exited"]
+        else:
+            lines = [x.line for x in sorted(left, key=lambda x: not x.primary)]
         if lines:
             own = f"this rank's {type(exc).__name__} followed"
             print(f"pdist (rank {rank}): " + "; ".join([*lines, own]), file=sys.stderr, flush=True)
-    if not gone:
-        record(lifetime, rank, exc, echo=bool(lines))
+        if not left and lines:
+            return  # the store is gone: nowhere to record it
+    after = [x.rank for x in left if x.primary] or [r for x in left for r in x.after]
+    record(lifetime, rank, exc, echo=bool(left), after=tuple(dict.fromkeys(after)))

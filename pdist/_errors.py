@@ -58,13 +58,18 @@ class PeerLeftError(PdistError):
 
     Chained (``__cause__``) to the backend's error. ``store_gone``: the rendezvous
     store did not answer either, so no rank could be named (its host most likely exited).
+    ``ranks``: the ranks it names as the cause (gone without a word, or failed on their
+    own), root cause first; a rank that leaves through it records them as whom it followed.
     """
 
     __module__ = "pdist"
 
-    def __init__(self, message: str, *, store_gone: bool = False) -> None:
+    def __init__(
+        self, message: str, *, store_gone: bool = False, ranks: tuple[int, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.store_gone = store_gone
+        self.ranks = ranks
 
 
 class RemoteError(PdistError):

@@ -317,6 +317,7 @@ def link(
             raise
         failed = False
     finally:
+        _departures.stop_listening(lifetime)
         store = None  # member 0's server goes with the last reference: free the port
         lifetime.exit_records = None
         lifetime.close()

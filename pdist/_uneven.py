@@ -66,7 +66,8 @@ def exchange(
             raise_own(group, error, what, wrap_pdist=True)
         return [list(r) for r in records] if records is not None else []
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group.cpu_group)
+    with _check.explaining(group, what, counted=False):  # a peer gone here is named
+        dist.all_to_all_single(recv, send, group=group.cpu_group)
     if bool((recv[:, 0] < 0).any()):
         spread(group, error, what=what)  # every rank raises the first failing rank's error
     return cast("list[list[int]]", recv[:, 1:].tolist())
@@ -316,7 +317,8 @@ def _eager(
 ) -> torch.Tensor:
     # Written, never left: rows a peer does not send (a vouched count too high) stay zero.
     out = x.new_zeros((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
+    with _check.explaining(group, what):  # as every eager collective: a peer gone is named
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
     return out
 
 

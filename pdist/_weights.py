@@ -528,16 +528,14 @@ def _member_lost(g: Group, what: str) -> Iterator[None]:
         watchdog.daemon = True
         watchdog.start()
     try:
-        yield
+        with _departures.naming(g, what):  # who left, where pdist can tell
+            yield
     except RuntimeError as exc:
         gone = not isinstance(exc, PdistError) or isinstance(exc, _departures.PeerLeftError)
         if stuck is not None and gone:
             _abort(stuck, g, what)
         if isinstance(exc, PdistError):
             raise
-        named = _departures.explained(g, what, exc)  # who left, where pdist can tell
-        if named is not None:
-            raise named from exc
         msg = (
             f"{what} on group {g.name!r}: the communicator failed on rank {g.rank}, most "
             f"likely because a member went away; rebuild the group without it ({exc})"

@@ -9,6 +9,8 @@ from entering the call, how long they took to raise.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from launcher import raised_after, run_ranks
 
@@ -198,3 +200,114 @@ def test_sigterm_while_the_segment_exists_leaves_no_shm_file():
     assert reader.returncode == 128 + 15, reader.output
     assert watcher.returncode == 0, watcher.output
     assert "SHM []" in watcher.output, watcher.output
+
+
+# A rank SIGKILLed inside a call, at 4 ranks: every survivor names it first, and no live rank
+# as gone. The survivors leave their blocks as a user's script would (print, then sys.exit
+# inside the except clause), so the last one to fail (rank 0 of a ring, whose neighbours
+# close their connections only as they exit) reads their exit records.
+NAMED_IN = """
+    import torch.nn.functional as F
+
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        if ctx.rank == 2:
+            die_at(KILLED_AT)
+        x = torch.ones(1024)
+        weights = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(8)}
+
+        def steps():
+            for step in range(30):
+                if CALL == "all_reduce":
+                    pdist.all_reduce(ctx, x)
+                elif CALL == "all_gather_object":
+                    pdist.all_gather_object(ctx, {"step": step, "rank": ctx.rank})
+                elif CALL == "broadcast_weights":
+                    mine = weights if ctx.rank == 0 else None
+                    pdist.broadcast_weights(ctx, mine, bucket_bytes=4096)
+                elif CALL == "all_to_all":  # rank 0 sends nothing; the counts are exchanged
+                    counts = [0, 0, 0, 0] if ctx.rank == 0 else [1, 2, 0, 3]
+                    pdist.all_to_all(ctx, torch.ones(sum(counts), 4), counts)
+                elif CALL == "moe_dispatch":
+                    ids = torch.randint(0, 8, (6, 2))
+                    pdist.moe_dispatch(ctx, torch.randn(6, 4), ids, num_experts=8)
+                else:  # ulysses_attention, chunks of 3 tokens and 4 heads of 8
+                    q = torch.randn(1, 4, 3, 8)
+                    sdpa = pdist.ulysses_attention(ctx, F.scaled_dot_product_attention)
+                    sdpa(q, q, q)
+
+        start = time.monotonic()
+        try:
+            steps()
+        except Exception as exc:
+            print(f"RAISED after {time.monotonic() - start:.1f}s: {type(exc).__name__}: {exc}")
+            sys.exit(1)
+"""
+
+KILLED_IN = {
+    # call: where rank 2 kills itself (torch.distributed's function, and which call of it)
+    "all_reduce": ("all_reduce", 3),
+    "all_gather_object": ("all_gather", 4),
+    "broadcast_weights": ("broadcast", 3),
+    # The counts' exchange is one all_to_all_single and the rows another (ulysses_attention:
+    # q, k, v and the output two more): the 4th and 5th are each call's second step's data.
+    "all_to_all": ("all_to_all_single", 4),
+    "moe_dispatch": ("all_to_all_single", 4),
+    "ulysses_attention": ("all_to_all_single", 5),
+    "all_to_all, at the counts": ("all_to_all_single", 3),
+}
+
+
+def _named_first(output: str) -> tuple[int | None, str]:
+    """The first rank a survivor's error names, and the error's text."""
+    text = output.split("RAISED after ", 1)[1].split("\n", 1)[0]
+    first = re.search(r"rank (\d+)", text)
+    return (int(first.group(1)) if first else None), text
+
+
+@pytest.mark.parametrize("call", list(KILLED_IN))
+def test_survivors_name_the_killed_rank_first_and_no_live_rank(call):
+    """Rank 2 of 4 SIGKILLed in a call: each survivor names rank 2 first, and no live rank."""
+    name, nth = KILLED_IN[call]
+    script = NAMED_IN.replace("TIMEOUT", str(TIMEOUT)).replace("KILLED_AT", f"{name!r}, {nth}")
+    code = PRELUDE + script.replace("CALL", repr(call.split(",")[0]))
+    results = run_ranks(code, 4, timeout=120)
+    assert results[2].returncode == 128 + 9, results[2].output  # SIGKILL
+    for r in results:
+        if r.rank == 2:
+            continue
+        assert r.returncode == 1, f"rank {r.rank}:\n{r.output}"
+        first, text = _named_first(r.output)
+        assert "PeerLeftError" in text, f"rank {r.rank}: {text}"
+        assert first == 2, f"rank {r.rank} names rank {first} first: {text}"
+        for live in (0, 1, 3):
+            # A live rank is never said to be gone (one that left after the kill may be
+            # named as having left, after rank 2).
+            assert f"rank {live} went away" not in text, f"rank {r.rank}: {text}"
+
+
+UNKNOWN = """
+    if os.environ["RANK"] == "2":  # as a rank whose store gives no second connection
+        import pdist._departures
+
+        pdist._departures._listen = lambda group: None  # it starts no roll-call thread
+    with pdist.distributed(timeout=TIMEOUT) as ctx:
+        x = torch.ones(1024)
+        if ctx.rank == 2:
+            die_at("all_reduce", 3)
+            for _ in range(30):
+                dist.all_reduce(x)
+        attempt(lambda: [pdist.all_reduce(ctx, x) for _ in range(30)])
+"""
+
+
+def test_a_rank_that_never_answered_is_not_known_rather_than_guessed():
+    """A rank killed that never answered roll calls: the survivors say it is not known."""
+    code = PRELUDE + UNKNOWN.replace("TIMEOUT", str(TIMEOUT))
+    results = run_ranks(code, 3, timeout=120)
+    assert results[2].returncode == 128 + 9, results[2].output
+    for r in results[:2]:
+        _, text = _named_first(r.output)
+        assert "PeerLeftError" in text, f"rank {r.rank}: {text}"
+        assert "rank 2 went away" not in text, f"rank {r.rank}: {text}"
+        assert "rank 2 did not answer a roll call" in text, f"rank {r.rank}: {text}"
+        assert "not known whether it went away" in text, f"rank {r.rank}: {text}"

@@ -47,8 +47,10 @@ def test_the_ranks_left_behind_name_the_rank_that_raised():
     out = _outputs("raise")
     where = f"test_departures.py:{load_batch.__code__.co_firstlineno + 1} in load_batch"
     line = f"rank 1 left the job: RuntimeError: boom ({where})"
-    # Steps 0-2 finished, so rank 0 was in the job's fourth all_reduce on the world.
-    assert f"{line}; this rank was in all_reduce #4 on group 'world'" in out[0]
+    # Named first (rank 2, which left after it, may follow); steps 0-2 finished, so rank 0
+    # was in the job's fourth all_reduce on the world.
+    assert f"Error: {line}; " in out[0]
+    assert "; this rank was in all_reduce #4 on group 'world'" in out[0]
     assert "PdistError" in out[0] or "PeerLeftError" in out[0]
     assert "Connection closed" in out[0]  # torch's error, chained
     assert f"pdist (rank 2): {line}" in out[2]
