@@ -136,6 +136,26 @@ def _source_bytes(flat: torch.Tensor, start: int, stop: int, device: torch.devic
     return _flat_bytes(part.contiguous())
 
 
+def _plain_wire(wire: torch.Tensor, step: _Packed | _Chunk, device: torch.device) -> torch.Tensor:
+    """``wire`` if it is a plain contiguous tensor of the step's bytes on ``device``, else raise.
+
+    A tensor of its own dispatch (a DTensor, say) would make the broadcast itself raise on
+    this member alone while the others wait in theirs: caught here, it is a local failure
+    that the closing status raises on every member.
+    """
+    n = step.nbytes if isinstance(step, _Packed) else step.stop - step.start
+    if type(wire) is not torch.Tensor or wire.dtype != torch.uint8 or wire.numel() != n:
+        msg = (
+            f"a tensor's bytes came out as a {type(wire).__name__} of {wire.dtype}, not a "
+            f"plain tensor of {n} bytes: broadcast_weights moves plain tensors and DTensors"
+        )
+        raise TypeError(msg)
+    if wire.device != device or not wire.is_contiguous():
+        msg = f"a tensor's bytes came out on {wire.device}, not contiguous on {device}"
+        raise TypeError(msg)
+    return wire
+
+
 def _straight(t: torch.Tensor, device: torch.device) -> bool:
     """Whether ``t``'s own memory holds its values in order on ``device`` (a wire as is)."""
     return t.is_contiguous() and t.device == device and not (t.is_conj() or t.is_neg())
@@ -205,7 +225,7 @@ class Move:
             try:
                 if self.is_src:
                     _seams.packing(index)
-                wire = self._wire(step, failure is None)
+                wire = _plain_wire(self._wire(step, failure is None), step, self.group.device)
             except Exception as exc:
                 failure = failure or exc
             if wire is None:  # the step could not be prepared: move the staging's bytes
@@ -308,6 +328,9 @@ def _check_into(into: object, entries: list[Entry], g: Group, src: int) -> None:
                 f"{g.ranks[src]}) but {list(got)} in {where}; shapes must be equal"
             )
             raise RankMismatchError(msg)
+        if why := _unfillable(into[e.name]):
+            msg = f"into[{e.name!r}] on rank {g.rank} {why}"
+            raise ValueError(msg)
     extra = [n for n in into if n not in names]
     if extra:
         name = extra[0]
@@ -316,6 +339,25 @@ def _check_into(into: object, entries: list[Entry], g: Group, src: int) -> None:
             f"source (rank {g.ranks[src]}, shape: none); {len(extra)} name(s) only in into"
         )
         raise RankMismatchError(msg)
+
+
+def _unfillable(t: torch.Tensor) -> str:
+    """Why ``copy_`` into ``t`` would not fill it (``""``: it would), said before any byte moves.
+
+    A ``meta`` tensor takes a copy without a word and holds nothing after it.
+    """
+    if t.device.type == "meta":
+        return (
+            "is on the meta device and has no memory to fill; materialize the model first "
+            "(model.to_empty(device=...))"
+        )
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return f"is a {type(t).__name__}; pass plain tensors (a DTensor's: its to_local())"
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return "is an inference tensor; call broadcast_weights inside torch.inference_mode()"
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True)):
+        return "is an expanded view (one element stands for several); pass a tensor of its own"
+    return ""
 
 
 def _metadata(entries: list[Entry], bucket_bytes: int) -> bytes:
@@ -448,8 +490,11 @@ def broadcast_weights(
 
     Raises:
         PdistError: On every member, when a member passed a bad argument (also a
-            ``TypeError``/``ValueError``) or its ``into`` differs from the source's
-            tensors (naming the tensor and both shapes), or a member went away.
+            ``TypeError``/``ValueError``: an ``into`` that cannot be filled, such as a
+            ``meta`` tensor, raises before any byte moves) or its ``into`` differs from
+            the source's tensors (naming the tensor and both shapes), when preparing the
+            source's tensors failed (that error, not a member named as gone), or a member
+            went away.
         RankMismatchError: On every member, when members passed different ``src``.
     """
     g = as_group(group)
@@ -465,6 +510,11 @@ def broadcast_weights(
     if g.world_size == 1:
         if error is not None:
             raise error
+        try:
+            if into is not None:
+                _check_into(into, entries, g, src)
+        except Exception as exc:  # raised as the members of a larger group would
+            _agree.raise_own(g, exc, what, wrap_pdist=True)
         return _local(entries, tensors, into)
     with _member_lost(g, what):
         return _broadcast(g, tensors, src, into, bucket_bytes, entries, error, what)
@@ -569,14 +619,10 @@ def _local(
     tensors: Mapping[str, torch.Tensor] | None,
     into: Mapping[str, torch.Tensor] | None,
 ) -> dict[str, torch.Tensor]:
-    """A one-member group: ``into`` filled from ``tensors`` (checked), or their dict."""
+    """A one-member group: ``into`` (checked by :func:`_check_into`) filled, or a new dict."""
     assert tensors is not None
     if into is None:
         return dict(tensors)
-    names = {e.name for e in entries}
-    if set(into) != names or any(tuple(into[e.name].shape) != e.shape for e in entries):
-        msg = "broadcast_weights: into's names or shapes differ from the source's tensors"
-        raise RankMismatchError(msg)
     with torch.no_grad():
         for e in entries:
             into[e.name].copy_(tensors[e.name])
