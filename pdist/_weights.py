@@ -29,18 +29,30 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple, cast
 
 import torch
 
 from . import _agree, _compat, _departures, _plain, _rooted, _seams, _wire
-from ._buffers import allocate, resolved
+from ._buffers import allocate
 from ._errors import HEADER, PdistError, RankMismatchError
 from ._group import DistContext, Group, ProcessGroup, as_group
 from ._serialize import dtype_name, dtype_of
+from ._weight_tensors import (
+    Entry,
+    Gathered,
+    check_into,
+    entries_of,
+    flat_bytes,
+    flat_source,
+    gather_along,
+    plain_wire,
+    source_bytes,
+    sources,
+    straight,
+)
 
 __all__ = [
     "DIRECT_BYTES",
@@ -57,18 +69,6 @@ SYNC_BUCKET_BYTES = 64 << 20  # sync_model_states' buckets
 DIRECT_BYTES = 1 << 20  # tensors this large (or larger than a bucket) travel alone
 _ALIGN = 64  # bytes: every packed tensor starts aligned for any dtype's view
 _VERSION = 1
-
-
-class Entry(NamedTuple):
-    """One tensor as the metadata describes it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _Packed(NamedTuple):
@@ -110,60 +110,13 @@ def _plan(entries: list[Entry], bucket_bytes: int) -> list[_Packed | _Chunk]:
     return steps
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _flat_source(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as a flat tensor of its dtype: a view when ``t`` is contiguous.
-
-    A conjugate or negative view is resolved first: its memory does not hold its values.
-    """
-    return resolved(t).reshape(-1)
-
-
-def _source_bytes(flat: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Bytes ``[start, stop)`` of a :func:`_flat_source` on ``device``.
-
-    Sliced in its own dtype first, so that only that part moves to ``device`` (a chunk,
-    never the whole tensor) and devices that cannot view bytes (torch's lazy) still work.
-    """
-    size = flat.element_size()
-    part = flat[start // size : stop // size]
-    if part.device != device:
-        part = part.to(device)
-    return _flat_bytes(part.contiguous())
-
-
-def _plain_wire(wire: torch.Tensor, step: _Packed | _Chunk, device: torch.device) -> torch.Tensor:
-    """``wire`` if it is a plain contiguous tensor of the step's bytes on ``device``, else raise.
-
-    A tensor of its own dispatch (a DTensor, say) would make the broadcast itself raise on
-    this member alone while the others wait in theirs: caught here, it is a local failure
-    that the closing status raises on every member.
-    """
-    n = step.nbytes if isinstance(step, _Packed) else step.stop - step.start
-    if type(wire) is not torch.Tensor or wire.dtype != torch.uint8 or wire.numel() != n:
-        msg = (
-            f"a tensor's bytes came out as a {type(wire).__name__} of {wire.dtype}, not a "
-            f"plain tensor of {n} bytes: broadcast_weights moves plain tensors and DTensors"
-        )
-        raise TypeError(msg)
-    if wire.device != device or not wire.is_contiguous():
-        msg = f"a tensor's bytes came out on {wire.device}, not contiguous on {device}"
-        raise TypeError(msg)
-    return wire
-
-
-def _straight(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``t``'s own memory holds its values in order on ``device`` (a wire as is)."""
-    return t.is_contiguous() and t.device == device and not (t.is_conj() or t.is_neg())
+def _size(step: _Packed | _Chunk) -> int:
+    return step.nbytes if isinstance(step, _Packed) else step.stop - step.start
 
 
 def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
     """Whether ``t``'s own memory can be the wire for ``e`` (no staging)."""
-    return t.dtype == e.dtype and _straight(t, device)
+    return t.dtype == e.dtype and straight(t, device)
 
 
 class Move:
@@ -183,7 +136,7 @@ class Move:
         self,
         group: Group,
         entries: list[Entry],
-        tensors: list[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
         src: int,
         bucket_bytes: int,
         *,
@@ -211,6 +164,10 @@ class Move:
         self.staging = allocate(max(need), device, what=what) if need else None
         self.contiguous: dict[int, torch.Tensor] = {}  # non-contiguous destinations
         self._flat: tuple[int, torch.Tensor] | None = None  # the source's chunked tensor
+        self.offsets = {i: o for s in self.steps if isinstance(s, _Packed) for i, o in s.parts}
+        self.ahead: set[int] = set()  # packed when gathered, before their bucket's turn
+        if isinstance(tensors, Gathered):
+            tensors.ahead = self._pack_ahead
 
     def run(self) -> None:
         """Move every step; a local failure lets the others finish, then raises on every member.
@@ -225,7 +182,7 @@ class Move:
             try:
                 if self.is_src:
                     _seams.packing(index)
-                wire = _plain_wire(self._wire(step, failure is None), step, self.group.device)
+                wire = plain_wire(self._wire(step, failure is None), _size(step), self.group.device)
             except Exception as exc:
                 failure = failure or exc
             if wire is None:  # the step could not be prepared: move the staging's bytes
@@ -246,8 +203,15 @@ class Move:
             failure = exc
         _agree.status(self.group, failure, what=self.what)
 
+    def _pack_ahead(self, i: int, full: torch.Tensor) -> None:
+        """Pack a DTensor gathered before its bucket goes (its staging is free till then)."""
+        n, offset = self.entries[i].nbytes, self.offsets[i]
+        wire = cast("torch.Tensor", self.staging)[offset : offset + n]
+        wire.copy_(source_bytes(flat_source(full), 0, n, self.group.device))
+        self.ahead.add(i)
+
     def _fallback(self, step: _Packed | _Chunk) -> torch.Tensor:
-        n = step.nbytes if isinstance(step, _Packed) else step.stop - step.start
+        n = _size(step)
         if self.staging is None:
             return torch.empty(n, dtype=torch.uint8, device=self.group.device)
         return self.staging[:n]
@@ -256,20 +220,24 @@ class Move:
         """The bytes this member sends or receives into for ``step`` (packed on the source)."""
         device, staging = self.group.device, self.staging
         if isinstance(step, _Packed):
+            self._flat = None  # a chunked tensor is done with: dropped before the next gather
             wire = cast("torch.Tensor", staging)[: step.nbytes]
             if self.is_src and pack:
                 for i, off in step.parts:
+                    if i in self.ahead:
+                        continue
                     n = self.entries[i].nbytes
-                    flat = _flat_source(self.tensors[i])
-                    wire[off : off + n].copy_(_source_bytes(flat, 0, n, device))
+                    flat = flat_source(self.tensors[i])
+                    wire[off : off + n].copy_(source_bytes(flat, 0, n, device))
             return wire
-        t, e = self.tensors[step.entry], self.entries[step.entry]
         if self.is_src:  # flattened once per tensor (a copy if need be), not once per chunk
             if self._flat is None or self._flat[0] != step.entry:
-                self._flat = (step.entry, _flat_source(t))
-            return _source_bytes(self._flat[1], step.start, step.stop, device)
+                self._flat = None  # dropped before the next gather
+                self._flat = (step.entry, flat_source(self.tensors[step.entry]))
+            return source_bytes(self._flat[1], step.start, step.stop, device)
+        t, e = self.tensors[step.entry], self.entries[step.entry]
         if _direct(t, e, device):
-            return _flat_bytes(t)[step.start : step.stop]
+            return flat_bytes(t)[step.start : step.stop]
         return cast("torch.Tensor", staging)[: step.stop - step.start]
 
     def _unpack(self, step: _Packed | _Chunk, wire: torch.Tensor) -> None:
@@ -283,81 +251,11 @@ class Move:
         if _direct(t, e, self.group.device):
             return
         dest = self.contiguous.get(step.entry, t)
-        if not _straight(dest, dest.device):  # filled whole by the chunks, copied in at the end
+        if not straight(dest, dest.device):  # filled whole by the chunks, copied in at the end
             dest = torch.empty(t.shape, dtype=t.dtype, device=t.device)
             self.contiguous[step.entry] = dest
         size = e.dtype.itemsize
         dest.view(-1)[step.start // size : step.stop // size].copy_(wire.view(e.dtype))
-
-
-def _entries_of(tensors: object) -> list[Entry]:
-    """The source's entries, or a TypeError naming what is wrong."""
-    if not isinstance(tensors, Mapping):
-        msg = f"tensors={tensors!r:.80} on the source must be a mapping of name -> tensor"
-        raise TypeError(msg)
-    out = []
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            msg = f"tensors[{name!r}] must map a str name to a torch.Tensor, not {type(t)!r}"
-            raise TypeError(msg)
-        if t.layout != torch.strided:
-            msg = f"tensors[{name!r}] is a {t.layout} tensor; broadcast_weights moves dense ones"
-            raise TypeError(msg)
-        out.append(Entry(name, tuple(t.shape), t.dtype))
-    return out
-
-
-def _check_into(into: object, entries: list[Entry], g: Group, src: int) -> None:
-    """Raise (on this member) what differs between ``into`` and the source's tensors."""
-    if not isinstance(into, Mapping) or not all(isinstance(t, torch.Tensor) for t in into.values()):
-        msg = f"into={into!r:.80} must be a mapping of name -> tensor (or None)"
-        raise TypeError(msg)
-    where = f"into on rank {g.rank}"
-    names = {e.name for e in entries}
-    for e in entries:
-        if e.name not in into:
-            msg = (
-                f"tensor {e.name!r} (shape {list(e.shape)} on the source, rank "
-                f"{g.ranks[src]}) is missing from {where} (shape: none)"
-            )
-            raise RankMismatchError(msg)
-        got = tuple(into[e.name].shape)
-        if got != e.shape:
-            msg = (
-                f"tensor {e.name!r} has shape {list(e.shape)} on the source (rank "
-                f"{g.ranks[src]}) but {list(got)} in {where}; shapes must be equal"
-            )
-            raise RankMismatchError(msg)
-        if why := _unfillable(into[e.name]):
-            msg = f"into[{e.name!r}] on rank {g.rank} {why}"
-            raise ValueError(msg)
-    extra = [n for n in into if n not in names]
-    if extra:
-        name = extra[0]
-        msg = (
-            f"tensor {name!r} (shape {list(into[name].shape)} in {where}) is not sent by the "
-            f"source (rank {g.ranks[src]}, shape: none); {len(extra)} name(s) only in into"
-        )
-        raise RankMismatchError(msg)
-
-
-def _unfillable(t: torch.Tensor) -> str:
-    """Why ``copy_`` into ``t`` would not fill it (``""``: it would), said before any byte moves.
-
-    A ``meta`` tensor takes a copy without a word and holds nothing after it.
-    """
-    if t.device.type == "meta":
-        return (
-            "is on the meta device and has no memory to fill; materialize the model first "
-            "(model.to_empty(device=...))"
-        )
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return f"is a {type(t).__name__}; pass plain tensors (a DTensor's: its to_local())"
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        return "is an inference tensor; call broadcast_weights inside torch.inference_mode()"
-    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True)):
-        return "is an expanded view (one element stands for several); pass a tensor of its own"
-    return ""
 
 
 def _metadata(entries: list[Entry], bucket_bytes: int) -> bytes:
@@ -394,7 +292,7 @@ def _digest(rows: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> str:
 def _ready(into: object, device: torch.device) -> str:
     """A receiver's promise that its ``into`` takes every tensor as is: their digest, or ""."""
     try:
-        if isinstance(into, Mapping) and all(_straight(t, device) for t in into.values()):
+        if isinstance(into, Mapping) and all(straight(t, device) for t in into.values()):
             return _digest((n, tuple(t.shape), t.dtype) for n, t in into.items())
     except Exception:  # not tensors, or names that are not str: the checks name it later
         pass
@@ -455,7 +353,7 @@ def _agreed(
 
 
 def broadcast_weights(
-    group: Group | DistContext,
+    group: Group | DistContext | None,
     tensors: Mapping[str, torch.Tensor] | None = None,
     *,
     src: int = 0,
@@ -473,15 +371,26 @@ def broadcast_weights(
     into their destination when it is contiguous, of the source's dtype and on the
     group's device. Extra memory on every member: about one bucket.
 
+    The source's tensors may be DTensors (an FSDP2 trainer's ``state_dict()``): each is
+    gathered to its full tensor when its turn comes, one at a time, so the source's extra
+    memory is one bucket and one gathered tensor; receivers get plain tensors. Every
+    rank of the trainer's mesh takes part in each gather: its ranks that are not the
+    link's member call ``broadcast_weights(None, state_dict)``.
+
     Note:
         All members of the group must call it, with the same ``src``.
 
     Args:
-        group: The group (a context means its world).
-        tensors: On the source, name -> tensor (on any device); ignored elsewhere.
+        group: The group (a context means its world); None on a sharded trainer's rank
+            that is not a member: it gathers each DTensor of ``tensors`` with the member
+            (in the mapping's order, the same ``state_dict``), sends nothing and returns
+            an empty dict, also when the member raised.
+        tensors: On the source, name -> tensor (on any device; DTensors gathered);
+            ignored on the other members.
         src: Group index of the source.
         into: name -> tensor to fill in place, as ``load_state_dict`` does (same shapes;
-            each cast to its own dtype and device: a bf16 model takes fp32 weights).
+            each cast to its own dtype and device: a bf16 model takes fp32 weights). None
+            on a source whose tensors are DTensors.
         bucket_bytes: The most bytes one broadcast carries.
 
     Returns:
@@ -497,32 +406,44 @@ def broadcast_weights(
             went away.
         RankMismatchError: On every member, when members passed different ``src``.
     """
+    if group is None:  # a sharded trainer's rank that is not the link member
+        gather_along(tensors)
+        return {}
     g = as_group(group)
     what = "broadcast_weights"
     error: BaseException | None = None
     entries: list[Entry] = []
+    mine: Sequence[torch.Tensor] = []
     try:
         _check_args(g, src, bucket_bytes)
         if g.rank_in_group == src:
-            entries = _entries_of(tensors)
+            mine = sources(tensors)  # first: whatever fails next, the mesh gathers along
+            entries = entries_of(tensors)
+            if isinstance(mine, Gathered) and into is not None:
+                msg = f"into on the source (rank {g.rank}) holds DTensors; pass into=None there"
+                raise ValueError(msg)
     except Exception as exc:
         error = exc
-    if g.world_size == 1:
-        if error is not None:
-            raise error
+    try:
+        if g.world_size > 1:
+            with _member_lost(g, what):
+                return _broadcast(g, mine, src, into, bucket_bytes, entries, error, what)
         try:
+            if error is not None:
+                raise error
             if into is not None:
-                _check_into(into, entries, g, src)
+                check_into(into, entries, g, src)
         except Exception as exc:  # raised as the members of a larger group would
             _agree.raise_own(g, exc, what, wrap_pdist=True)
-        return _local(entries, tensors, into)
-    with _member_lost(g, what):
-        return _broadcast(g, tensors, src, into, bucket_bytes, entries, error, what)
+        return _local(entries, mine, into)
+    finally:
+        if isinstance(mine, Gathered):  # whatever happened: no rank of the mesh waits
+            mine.finish()
 
 
 def _broadcast(
     g: Group,
-    tensors: Mapping[str, torch.Tensor] | None,
+    sources: Sequence[torch.Tensor],
     src: int,
     into: Mapping[str, torch.Tensor] | None,
     bucket_bytes: int,
@@ -534,12 +455,12 @@ def _broadcast(
     entries, bucket, ready = _agreed(g, src, entries, bucket_bytes, into, error, what)
     is_src = g.rank_in_group == src
     failure: BaseException | None = None
-    targets: list[torch.Tensor] = []
+    targets: Sequence[torch.Tensor] = []
     move: Move | None = None
     try:
         if into is not None:
-            _check_into(into, entries, g, src)
-        targets = _targets(g, entries, tensors if is_src else into)
+            check_into(into, entries, g, src)
+        targets = sources if is_src else _targets(g, entries, into)
         mine = [into[e.name] for e in entries] if is_src and into is not None else []
         copies = zip(mine, targets, strict=False)  # the source fills its own into
         move = Move(g, entries, targets, src, bucket, what=what, copies=copies)
@@ -555,7 +476,8 @@ def _broadcast(
         cast("Move", move).run()
     if into is not None:
         return dict(into) if not isinstance(into, dict) else into
-    return {e.name: t for e, t in zip(entries, targets, strict=True)}
+    own = targets.tensors if isinstance(targets, Gathered) else targets  # the source's own
+    return {e.name: t for e, t in zip(entries, own, strict=True)}
 
 
 @contextlib.contextmanager
@@ -608,24 +530,21 @@ def _abort(pg: ProcessGroup, g: Group, what: str) -> None:
 def _targets(
     g: Group, entries: list[Entry], given: Mapping[str, torch.Tensor] | None
 ) -> list[torch.Tensor]:
-    """The tensors each entry moves from (source) or into (receivers)."""
+    """The tensors each entry moves into (receivers): ``into``'s, or new ones."""
     if given is not None:
         return [given[e.name] for e in entries]
     return [torch.empty(e.shape, dtype=e.dtype, device=g.device) for e in entries]
 
 
 def _local(
-    entries: list[Entry],
-    tensors: Mapping[str, torch.Tensor] | None,
-    into: Mapping[str, torch.Tensor] | None,
+    entries: list[Entry], sources: Sequence[torch.Tensor], into: Mapping[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
-    """A one-member group: ``into`` (checked by :func:`_check_into`) filled, or a new dict."""
-    assert tensors is not None
-    if into is None:
-        return dict(tensors)
+    """A one-member group: ``into`` (checked by :func:`check_into`) filled, or a new dict."""
+    if into is None:  # a DTensor's full tensor (gathered with the mesh), else the tensor
+        return {e.name: sources[i] for i, e in enumerate(entries)}
     with torch.no_grad():
-        for e in entries:
-            into[e.name].copy_(tensors[e.name])
+        for i, e in enumerate(entries):
+            into[e.name].copy_(sources[i])
     return dict(into) if not isinstance(into, dict) else into
 
 
