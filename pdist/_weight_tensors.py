@@ -30,6 +30,7 @@ __all__ = [
     "Gathered",
     "check_into",
     "entries_of",
+    "fill_range",
     "flat_bytes",
     "flat_source",
     "gather_along",
@@ -194,6 +195,35 @@ def plain_wire(wire: torch.Tensor, n: int, device: torch.device) -> torch.Tensor
         msg = f"a tensor's bytes came out on {wire.device}, not contiguous on {device}"
         raise TypeError(msg)
     return wire
+
+
+def fill_range(dest: torch.Tensor, start: int, values: torch.Tensor) -> None:
+    """Write ``values`` into ``dest``'s elements ``[start, start + len)`` (row-major), in place.
+
+    ``dest`` may have any strides (a transposed ``into``): the range splits into a partial
+    row, whole rows and a partial row, each a view of ``dest`` that ``copy_`` fills, so no
+    contiguous copy of the whole tensor is ever made (at most ``2 * dim + 1`` copies).
+    """
+    if dest.dim() == 0:
+        dest.copy_(values.reshape(()))
+        return
+    row = dest[0].numel() if dest.shape[0] else 0
+    stop = start + values.numel()
+    if row == 0 or stop == start:
+        return
+    first, last = -(-start // row), stop // row  # the whole rows are [first, last)
+    if first > last:  # inside one row
+        fill_range(dest[start // row], start % row, values)
+        return
+    done = first * row - start
+    if done:
+        fill_range(dest[first - 1], start % row, values[:done])
+    if last > first:
+        n = (last - first) * row
+        dest[first:last].copy_(values[done : done + n].view(last - first, *dest.shape[1:]))
+        done += n
+    if done < values.numel():
+        fill_range(dest[last], 0, values[done:])
 
 
 def straight(t: torch.Tensor, device: torch.device) -> bool:

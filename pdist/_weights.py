@@ -19,7 +19,8 @@ the receivers already know or can check. Three steps:
 3. **Move.** A large tensor is received straight into its destination when that is
    contiguous, of the wire's dtype and on the group's device (no copy); otherwise each chunk
    lands in one staging buffer (at most ``bucket_bytes``) and is cast into place, as
-   ``load_state_dict``'s ``copy_`` would. Staging is never handed to a caller.
+   ``load_state_dict``'s ``copy_`` would (a transposed one too: no copy of the whole).
+   Staging is never handed to a caller.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ._weight_tensors import (
     Gathered,
     check_into,
     entries_of,
+    fill_range,
     flat_bytes,
     flat_source,
     gather_along,
@@ -127,9 +129,10 @@ class Move:
     it is cast, as ``copy_`` does). ``copies``: ``(destination, source)`` pairs a member
     copies once the data moved, before the closing status, so that a failure raises on
     every member (the source filling its own ``into``). Extra memory: at most one staging
-    buffer of ``bucket_bytes`` (and, for a non-contiguous tensor that travels in chunks,
-    a contiguous copy of it). Make it before the status that lets every member go on (its
-    staging is allocated here, so that a failure raises on all); then :meth:`run`.
+    buffer of ``bucket_bytes`` (and, for a non-contiguous source tensor that travels in
+    chunks, a contiguous copy of it; a non-contiguous ``into`` is written in place). Make
+    it before the status that lets every member go on (its staging is allocated here, so
+    that a failure raises on all); then :meth:`run`.
     """
 
     def __init__(
@@ -162,7 +165,6 @@ class Move:
         ]
         # Allocated before the members agree to go on, so that a failure here raises on all.
         self.staging = allocate(max(need), device, what=what) if need else None
-        self.contiguous: dict[int, torch.Tensor] = {}  # non-contiguous destinations
         self._flat: tuple[int, torch.Tensor] | None = None  # the source's chunked tensor
         self.offsets = {i: o for s in self.steps if isinstance(s, _Packed) for i, o in s.parts}
         self.ahead: set[int] = set()  # packed when gathered, before their bucket's turn
@@ -195,8 +197,6 @@ class Move:
                     failure = exc
         try:
             if failure is None:
-                for i, dest in self.contiguous.items():
-                    self.tensors[i].copy_(dest)
                 for dest, source in self.copies:
                     dest.copy_(source)
         except Exception as exc:
@@ -248,14 +248,8 @@ class Move:
                 self.tensors[i].copy_(wire[off : off + e.nbytes].view(e.dtype).view(e.shape))
             return
         t, e = self.tensors[step.entry], self.entries[step.entry]
-        if _direct(t, e, self.group.device):
-            return
-        dest = self.contiguous.get(step.entry, t)
-        if not straight(dest, dest.device):  # filled whole by the chunks, copied in at the end
-            dest = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            self.contiguous[step.entry] = dest
-        size = e.dtype.itemsize
-        dest.view(-1)[step.start // size : step.stop // size].copy_(wire.view(e.dtype))
+        if not _direct(t, e, self.group.device):  # any strides: written in place, chunk by chunk
+            fill_range(t, step.start // e.dtype.itemsize, wire.view(e.dtype))
 
 
 def _metadata(entries: list[Entry], bucket_bytes: int) -> bytes:
