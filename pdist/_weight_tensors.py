@@ -15,13 +15,12 @@ memory is one gathered tensor besides its staging.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
 
 from . import _compat
-from ._buffers import resolved
 from ._errors import RankMismatchError
 from ._group import Group
 
@@ -29,13 +28,12 @@ __all__ = [
     "Entry",
     "Gathered",
     "check_into",
+    "chunk_bytes",
     "entries_of",
     "fill_range",
     "flat_bytes",
-    "flat_source",
     "gather_along",
     "plain_wire",
-    "source_bytes",
     "sources",
     "straight",
     "unfillable",
@@ -157,27 +155,6 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def flat_source(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as a flat tensor of its dtype: a view when ``t`` is contiguous.
-
-    A conjugate or negative view is resolved first: its memory does not hold its values.
-    """
-    return resolved(t).reshape(-1)
-
-
-def source_bytes(flat: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Bytes ``[start, stop)`` of a :func:`flat_source` on ``device``.
-
-    Sliced in its own dtype first, so that only that part moves to ``device`` (a chunk,
-    never the whole tensor) and devices that cannot view bytes (torch's lazy) still work.
-    """
-    size = flat.element_size()
-    part = flat[start // size : stop // size]
-    if part.device != device:
-        part = part.to(device)
-    return flat_bytes(part.contiguous())
-
-
 def plain_wire(wire: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
     """``wire`` if it is a plain contiguous tensor of ``n`` bytes on ``device``, else raise.
 
@@ -197,33 +174,57 @@ def plain_wire(wire: torch.Tensor, n: int, device: torch.device) -> torch.Tensor
     return wire
 
 
-def fill_range(dest: torch.Tensor, start: int, values: torch.Tensor) -> None:
-    """Write ``values`` into ``dest``'s elements ``[start, start + len)`` (row-major), in place.
+def _pieces(t: torch.Tensor, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """Views of ``t`` covering its elements ``[start, stop)`` (row-major), with their offsets.
 
-    ``dest`` may have any strides (a transposed ``into``): the range splits into a partial
-    row, whole rows and a partial row, each a view of ``dest`` that ``copy_`` fills, so no
-    contiguous copy of the whole tensor is ever made (at most ``2 * dim + 1`` copies).
+    A partial row, whole rows, a partial row (recursively). ``t`` may have any strides (a
+    transposed tensor): at most ``2 * dim + 1`` views, and no contiguous copy of the whole
+    tensor is ever made.
     """
-    if dest.dim() == 0:
-        dest.copy_(values.reshape(()))
+    if t.dim() == 0:
+        yield t, 0
         return
-    row = dest[0].numel() if dest.shape[0] else 0
-    stop = start + values.numel()
-    if row == 0 or stop == start:
+    row = t[0].numel() if t.shape[0] else 0
+    if row == 0 or stop <= start:
         return
     first, last = -(-start // row), stop // row  # the whole rows are [first, last)
     if first > last:  # inside one row
-        fill_range(dest[start // row], start % row, values)
+        r = start // row
+        yield from _pieces(t[r], start - r * row, stop - r * row)
         return
-    done = first * row - start
-    if done:
-        fill_range(dest[first - 1], start % row, values[:done])
+    if start < first * row:
+        yield from _pieces(t[first - 1], start - (first - 1) * row, row)
     if last > first:
-        n = (last - first) * row
-        dest[first:last].copy_(values[done : done + n].view(last - first, *dest.shape[1:]))
-        done += n
-    if done < values.numel():
-        fill_range(dest[last], 0, values[done:])
+        yield t[first:last], first * row - start
+    if stop > last * row:
+        for view, offset in _pieces(t[last], 0, stop - last * row):
+            yield view, offset + last * row - start
+
+
+def fill_range(dest: torch.Tensor, start: int, values: torch.Tensor) -> None:
+    """Write ``values`` into ``dest``'s elements from ``start`` on, in place (any strides)."""
+    for view, offset in _pieces(dest, start, start + values.numel()):
+        view.copy_(values[offset : offset + view.numel()].view(view.shape))
+
+
+def chunk_bytes(t: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of ``t``'s elements in row-major order, contiguous on ``device``.
+
+    A contiguous ``t`` is sliced (a view); any other (transposed, conjugate, negative) is
+    read piece by piece into a buffer of the chunk's size, never copied whole. Sliced in
+    its own dtype first, so that only that part moves to ``device`` and devices that cannot
+    view bytes (torch's lazy) still work.
+    """
+    size, t = t.element_size(), t.detach()
+    if straight(t, t.device):
+        part = t.reshape(-1)[start // size : stop // size]
+    else:
+        part = torch.empty((stop - start) // size, dtype=t.dtype, device=t.device)
+        for view, offset in _pieces(t, start // size, stop // size):
+            part[offset : offset + view.numel()].view(view.shape).copy_(view)
+    if part.device != device:
+        part = part.to(device)
+    return flat_bytes(part.contiguous())
 
 
 def straight(t: torch.Tensor, device: torch.device) -> bool:

@@ -45,13 +45,12 @@ from ._weight_tensors import (
     Entry,
     Gathered,
     check_into,
+    chunk_bytes,
     entries_of,
     fill_range,
     flat_bytes,
-    flat_source,
     gather_along,
     plain_wire,
-    source_bytes,
     sources,
     straight,
 )
@@ -129,10 +128,9 @@ class Move:
     it is cast, as ``copy_`` does). ``copies``: ``(destination, source)`` pairs a member
     copies once the data moved, before the closing status, so that a failure raises on
     every member (the source filling its own ``into``). Extra memory: at most one staging
-    buffer of ``bucket_bytes`` (and, for a non-contiguous source tensor that travels in
-    chunks, a contiguous copy of it; a non-contiguous ``into`` is written in place). Make
-    it before the status that lets every member go on (its staging is allocated here, so
-    that a failure raises on all); then :meth:`run`.
+    buffer of ``bucket_bytes`` (a non-contiguous tensor in chunks is read or written in
+    place, a chunk at a time). Make it before the status that lets every member go on
+    (its staging is allocated here, so that a failure raises on all); then :meth:`run`.
     """
 
     def __init__(
@@ -207,7 +205,7 @@ class Move:
         """Pack a DTensor gathered before its bucket goes (its staging is free till then)."""
         n, offset = self.entries[i].nbytes, self.offsets[i]
         wire = cast("torch.Tensor", self.staging)[offset : offset + n]
-        wire.copy_(source_bytes(flat_source(full), 0, n, self.group.device))
+        wire.copy_(chunk_bytes(full, 0, n, self.group.device))
         self.ahead.add(i)
 
     def _fallback(self, step: _Packed | _Chunk) -> torch.Tensor:
@@ -227,14 +225,13 @@ class Move:
                     if i in self.ahead:
                         continue
                     n = self.entries[i].nbytes
-                    flat = flat_source(self.tensors[i])
-                    wire[off : off + n].copy_(source_bytes(flat, 0, n, device))
+                    wire[off : off + n].copy_(chunk_bytes(self.tensors[i], 0, n, device))
             return wire
-        if self.is_src:  # flattened once per tensor (a copy if need be), not once per chunk
+        if self.is_src:  # read once per tensor (a DTensor gathered), then chunk by chunk
             if self._flat is None or self._flat[0] != step.entry:
                 self._flat = None  # dropped before the next gather
-                self._flat = (step.entry, flat_source(self.tensors[step.entry]))
-            return source_bytes(self._flat[1], step.start, step.stop, device)
+                self._flat = (step.entry, self.tensors[step.entry])
+            return chunk_bytes(self._flat[1], step.start, step.stop, device)
         t, e = self.tensors[step.entry], self.entries[step.entry]
         if _direct(t, e, device):
             return flat_bytes(t)[step.start : step.stop]

@@ -351,8 +351,8 @@ def test_a_local_error_on_the_source_is_raised_as_itself_everywhere(ctx):
 
 @world_sizes(2)
 def test_a_permuted_into_is_filled_in_place_chunk_by_chunk(ctx):
-    """A 3-d permuted bf16 into, in 64-byte chunks that cut rows anywhere, equals the source."""
-    source = torch.arange(5 * 6 * 7.0).view(7, 5, 6)
+    """A 3-d permuted source into a permuted bf16 into, in 64-byte chunks cutting rows anywhere."""
+    source = torch.arange(5 * 6 * 7.0).view(6, 7, 5).permute(1, 2, 0)  # [7, 5, 6]
     into = {"w": torch.zeros(5, 6, 7, dtype=torch.bfloat16).permute(2, 0, 1)}
     pdist.broadcast_weights(
         ctx, {"w": source} if ctx.rank == 0 else None, into=into, bucket_bytes=64
@@ -380,11 +380,11 @@ TRANSPOSED = """
         print(f"GREW {grown:.1f} MiB")
         if rank == 1:
             assert torch.equal(into["w"], weight.t())
-            assert grown < 24, grown  # one 1 MiB bucket, not a 64 MiB copy
+        assert grown < 32, grown  # about a 1 MiB bucket (and allocator slack), not 64 MiB
     print("OK")
 """
 
 
 def test_a_transposed_into_grows_the_receiver_by_a_bucket_not_the_tensor() -> None:
-    """A transposed 64 MiB into in 1 MiB buckets: the receiver's peak grows by far less."""
+    """A transposed 64 MiB source and into in 1 MiB buckets: neither side copies it whole."""
     passed(run_ranks(TRANSPOSED, 2, timeout=120, env={"LINK": f"127.0.0.1:{free_port()}"}), 2)
