@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
+import torch.distributed as dist
 
 from . import _compat
-from ._errors import RankMismatchError
+from ._errors import PdistError, RankMismatchError
 from ._group import Group
 
 __all__ = [
@@ -75,8 +76,12 @@ def gather_along(tensors: object) -> None:
         )
         raise TypeError(msg)
     found = sources(tensors)
-    if isinstance(found, Gathered):
-        found.finish()
+    if isinstance(found, Gathered) and found.finish(failed=False):
+        msg = (
+            "broadcast_weights: the trainer's link member raised (its own error says why); "
+            "this rank gathered every tensor with it and sent nothing"
+        )
+        raise PdistError(msg)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -142,12 +147,31 @@ class Gathered(Sequence[torch.Tensor]):
         self.last = (i, full)
         return i, full
 
-    def finish(self) -> None:
-        """Gather whatever was not read (after a failure), so no rank of the mesh waits."""
+    def finish(self, *, failed: bool) -> bool:
+        """Gather whatever was not read, then tell the mesh whether the member ``failed``.
+
+        Every rank of the mesh ends here: the member once its call is over (``failed``:
+        it raised), the others once they gathered along, so no rank waits and the others
+        learn that the member raised. Returns whether one did. After a failed gather the
+        mesh is broken and no flag travels: the other ranks' own gathers raise.
+        """
         self.last = None
         while self.failed is None and self.done < len(self.order):
             self._next()
             self.last = None
+        if self.failed is not None or not self.order:
+            return failed
+        return _any_failed(self.tensors[self.order[0]], failed)
+
+
+def _any_failed(dtensor: torch.Tensor, failed: bool) -> bool:
+    """Max-reduce ``failed`` over the mesh dimensions a DTensor's gather spans."""
+    t = cast("Any", dtensor)
+    flag = torch.tensor([int(failed)], device=t.device)
+    for dim, placement in enumerate(t.placements):
+        if not placement.is_replicate():  # the ranks along it gathered together
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=t.device_mesh.get_group(dim))
+    return bool(flag.item())
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -375,7 +375,7 @@ def broadcast_weights(
         group: The group (a context means its world); None on a sharded trainer's rank
             that is not a member: it gathers each DTensor of ``tensors`` with the member
             (in the mapping's order, the same ``state_dict``), sends nothing and returns
-            an empty dict, also when the member raised.
+            an empty dict; when the member raised, it raises a ``PdistError`` saying so.
         tensors: On the source, name -> tensor (on any device; DTensors gathered);
             ignored on the other members.
         src: Group index of the source.
@@ -418,18 +418,17 @@ def broadcast_weights(
     try:
         if g.world_size > 1:
             with _member_lost(g, what):
-                return _broadcast(g, mine, src, into, bucket_bytes, entries, error, what)
-        try:
-            if error is not None:
-                raise error
-            if into is not None:
-                check_into(into, entries, g, src)
-        except Exception as exc:  # raised as the members of a larger group would
-            _agree.raise_own(g, exc, what, wrap_pdist=True)
-        return _local(entries, mine, into)
-    finally:
-        if isinstance(mine, Gathered):  # whatever happened: no rank of the mesh waits
-            mine.finish()
+                out = _broadcast(g, mine, src, into, bucket_bytes, entries, error, what)
+        else:
+            out = _local(g, entries, mine, into, error, src)
+    except BaseException:
+        if isinstance(mine, Gathered):  # the mesh gathers every tensor, and learns of it
+            with contextlib.suppress(Exception):  # this rank's own error matters more
+                mine.finish(failed=True)
+        raise
+    if isinstance(mine, Gathered):
+        mine.finish(failed=False)
+    return out
 
 
 def _broadcast(
@@ -528,9 +527,21 @@ def _targets(
 
 
 def _local(
-    entries: list[Entry], sources: Sequence[torch.Tensor], into: Mapping[str, torch.Tensor] | None
+    g: Group,
+    entries: list[Entry],
+    sources: Sequence[torch.Tensor],
+    into: Mapping[str, torch.Tensor] | None,
+    error: BaseException | None,
+    src: int,
 ) -> dict[str, torch.Tensor]:
     """A one-member group: ``into`` (checked by :func:`check_into`) filled, or a new dict."""
+    if error is not None:
+        raise error
+    try:
+        if into is not None:
+            check_into(into, entries, g, src)
+    except Exception as exc:  # raised as the members of a larger group would
+        _agree.raise_own(g, exc, "broadcast_weights", wrap_pdist=True)
     if into is None:  # a DTensor's full tensor (gathered with the mesh), else the tensor
         return {e.name: sources[i] for i, e in enumerate(entries)}
     with torch.no_grad():
