@@ -401,7 +401,7 @@ def naming(group: Group, what: str) -> Iterator[None]:
 
     Wrap only communicator calls: a local ``RuntimeError`` would start a roll call, and
     its peers, still in the collective, would not answer it. The first one of a block
-    starts this rank's roll-call thread (:func:`_listen`).
+    starts this rank's roll-call thread (``_listen``).
     """
     _listen(group)
     try:

@@ -70,6 +70,7 @@ class _Join:
         self.seconds = seconds
         self.deadline = time.monotonic() + seconds
         self.store: Store | None = None  # member 0's: the server
+        self.ended = ""  # what a closed store at the address said (a member that came late)
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -96,7 +97,13 @@ class _Join:
                 if self.rank == 0:
                     msg = f"{self.label}: member 0 cannot host the store ({why})"
                     raise PdistError(msg)
-                self._raise_missing([0], f"no open store answered at {host}:{port} ({why})")
+                if self.ended:
+                    raise PdistError(f"{self.label}: {self.ended}")
+                why = (
+                    f"no open store answered at {host}:{port}: member 0 has not started, or it "
+                    f"gave up or ended its link before this member came (not known here; {why})"
+                )
+                self._raise_missing([0], why)
             time.sleep(_POLL_SEC * 5)
 
     def _attempt(self, host: str, port: int) -> Store | None:
@@ -105,7 +112,25 @@ class _Join:
         if self.rank == 0:
             return TCPStore(host, port, None, True, wait, wait_for_workers=False)
         store = TCPStore(host, port, None, False, wait)
-        return None if store.check([self.key("closed")]) else store
+        if not store.check([self.key("closed")]):
+            return store
+        self.ended = self._closed_because(store)  # or the previous link's, about to go: retry
+        return None
+
+    def _closed_because(self, store: Store) -> str:
+        """What a closed store says to a member that came after it closed."""
+        if store.check([self.key("verdict")]):
+            missing = _parse_ranks(store.get(self.key("verdict")).decode())
+            store.add(self.key("verdict_seen"), 1)
+            return (
+                f"member 0 gave up waiting for link rank(s) {missing} and closed the link before "
+                f"link rank {self.rank} came; start every member within timeout of the others"
+            )
+        return (
+            f"a link at this address formed and ended before link rank {self.rank} came (member "
+            f"0 closed it): this member is late, or a second process with rank {self.rank}; give "
+            "each member its own rank and join within timeout of the others"
+        )
 
     def _raise_missing(self, missing: list[int], why: str = "") -> None:
         msg = (
@@ -153,9 +178,10 @@ class _Join:
         if self.rank == 0:
             store.set(self.key("verdict"), ",".join(map(str, missing)))
             store.set(self.key("closed"), "1")
-            joined = self.size - len(missing)
+            # Every other member reads the verdict: those that joined, and a late one that
+            # comes in the next few seconds (else it could not tell that member 0 was here).
             end = time.monotonic() + _VERDICT_WAIT_SEC
-            while store.add(self.key("verdict_seen"), 0) < joined - 1 and time.monotonic() < end:
+            while store.add(self.key("verdict_seen"), 0) < self.size - 1 and time.monotonic() < end:
                 time.sleep(_POLL_SEC)
         self._raise_missing(missing)
 

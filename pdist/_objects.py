@@ -86,6 +86,7 @@ def _broadcast(
         tensors = _payload.tensors_of(decoded, buffers, group.device)
     finally:
         wait_all(group, works, what)
+    tensors = _payload.owned(decoded, tensors)  # filled: a small one leaves its slab
     return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)  # type: ignore[arg-type]
 
 

@@ -24,6 +24,7 @@ from ._errors import PdistError
 from ._serialize import DTYPES, TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
 
 __all__ = [
+    "KEEP_FACTOR",
     "KINDS",
     "Bucket",
     "Decoded",
@@ -33,6 +34,7 @@ __all__ = [
     "decode",
     "encode",
     "materialize",
+    "owned",
     "place",
     "receive_buffers",
     "staging",
@@ -49,6 +51,7 @@ _LEAN = b"pdP0"  # a body of only a skeleton (no tensors): the magic, then the p
 _FIELDS = {"s", "d", "b", "t", "k", "p"}  # skeleton length, dtypes, buckets, tensors, parts, part
 _MAX_DIMS = 64
 _JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # ours has no cycle
+KEEP_FACTOR = 4  # a received tensor keeps at most this many times its bytes alive (owned)
 _JSON_IN = json.JSONDecoder()  # json.loads detects the bytes' encoding in Python first
 _INT64 = 1 << 63  # sizes, shapes and offsets torch can hold are below it
 
@@ -510,6 +513,24 @@ def tensors_of(
     return tensors  # type: ignore[return-value]  # every index was filled
 
 
+def owned(decoded: Decoded, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The received tensors, each copied out of its slab if it would keep far more alive.
+
+    Call once the buckets are filled. A 300-element tensor that arrived beside a 64 MiB one
+    would keep the whole receive slab alive for as long as it lives (and a child process it
+    is handed to would map the whole slab): a result keeps at most ``KEEP_FACTOR`` times
+    its own bytes alive. Storage entries are copied by the unpickler already.
+    """
+    out = []
+    for spec, t, is_storage in zip(decoded.specs, tensors, decoded.storage, strict=True):
+        own = max(t.numel() * t.element_size(), ALIGN)
+        if not is_storage and t.untyped_storage().nbytes() > KEEP_FACTOR * own:
+            t = shaped(spec, t.detach().reshape(-1).clone())  # a Parameter stays one
+        out.append(t)
+    return out
+
+
 def materialize(decoded: Decoded, buckets: Sequence[torch.Tensor], device: torch.device) -> Any:
-    """Rebuild the object from a decoded body and its received buckets (plain unpickling)."""
-    return loads(decoded.skeleton, tensors_of(decoded, buckets, device), decoded.storage)
+    """Rebuild the object from a decoded body and its filled buckets (plain unpickling)."""
+    tensors = owned(decoded, tensors_of(decoded, buckets, device))
+    return loads(decoded.skeleton, tensors, decoded.storage)

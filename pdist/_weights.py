@@ -19,7 +19,8 @@ the receivers already know or can check. Three steps:
 3. **Move.** A large tensor is received straight into its destination when that is
    contiguous, of the wire's dtype and on the group's device (no copy); otherwise each chunk
    lands in one staging buffer (at most ``bucket_bytes``) and is cast into place, as
-   ``load_state_dict``'s ``copy_`` would. Staging is never handed to a caller.
+   ``load_state_dict``'s ``copy_`` would (a transposed one too: no copy of the whole).
+   Staging is never handed to a caller.
 """
 
 from __future__ import annotations
@@ -29,18 +30,30 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple, cast
 
 import torch
 
 from . import _agree, _check, _compat, _departures, _plain, _rooted, _seams, _wire
-from ._buffers import allocate, resolved
+from ._buffers import allocate
 from ._errors import HEADER, PdistError, RankMismatchError
 from ._group import DistContext, Group, ProcessGroup, as_group
 from ._serialize import dtype_name, dtype_of
+from ._weight_tensors import (
+    Entry,
+    Gathered,
+    check_into,
+    chunk_bytes,
+    entries_of,
+    fill_range,
+    flat_bytes,
+    gather_along,
+    plain_wire,
+    sources,
+    straight,
+)
 
 __all__ = [
     "DIRECT_BYTES",
@@ -57,18 +70,6 @@ SYNC_BUCKET_BYTES = 64 << 20  # sync_model_states' buckets
 DIRECT_BYTES = 1 << 20  # tensors this large (or larger than a bucket) travel alone
 _ALIGN = 64  # bytes: every packed tensor starts aligned for any dtype's view
 _VERSION = 1
-
-
-class Entry(NamedTuple):
-    """One tensor as the metadata describes it."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _Packed(NamedTuple):
@@ -110,40 +111,13 @@ def _plan(entries: list[Entry], bucket_bytes: int) -> list[_Packed | _Chunk]:
     return steps
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _flat_source(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as a flat tensor of its dtype: a view when ``t`` is contiguous.
-
-    A conjugate or negative view is resolved first: its memory does not hold its values.
-    """
-    return resolved(t).reshape(-1)
-
-
-def _source_bytes(flat: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Bytes ``[start, stop)`` of a ``_flat_source`` on ``device``.
-
-    Sliced in its own dtype first, so that only that part moves to ``device`` (a chunk,
-    never the whole tensor) and devices that cannot view bytes (torch's lazy) still work.
-    """
-    size = flat.element_size()
-    part = flat[start // size : stop // size]
-    if part.device != device:
-        part = part.to(device)
-    return _flat_bytes(part.contiguous())
-
-
-def _straight(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``t``'s own memory holds its values in order on ``device`` (a wire as is)."""
-    return t.is_contiguous() and t.device == device and not (t.is_conj() or t.is_neg())
+def _size(step: _Packed | _Chunk) -> int:
+    return step.nbytes if isinstance(step, _Packed) else step.stop - step.start
 
 
 def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
     """Whether ``t``'s own memory can be the wire for ``e`` (no staging)."""
-    return t.dtype == e.dtype and _straight(t, device)
+    return t.dtype == e.dtype and straight(t, device)
 
 
 class Move:
@@ -154,16 +128,16 @@ class Move:
     it is cast, as ``copy_`` does). ``copies``: ``(destination, source)`` pairs a member
     copies once the data moved, before the closing status, so that a failure raises on
     every member (the source filling its own ``into``). Extra memory: at most one staging
-    buffer of ``bucket_bytes`` (and, for a non-contiguous tensor that travels in chunks,
-    a contiguous copy of it). Make it before the status that lets every member go on (its
-    staging is allocated here, so that a failure raises on all); then ``run``.
+    buffer of ``bucket_bytes`` (a non-contiguous tensor in chunks is read or written in
+    place, a chunk at a time). Make it before the status that lets every member go on
+    (its staging is allocated here, so that a failure raises on all); then ``run``.
     """
 
     def __init__(
         self,
         group: Group,
         entries: list[Entry],
-        tensors: list[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
         src: int,
         bucket_bytes: int,
         *,
@@ -189,8 +163,11 @@ class Move:
         ]
         # Allocated before the members agree to go on, so that a failure here raises on all.
         self.staging = allocate(max(need), device, what=what) if need else None
-        self.contiguous: dict[int, torch.Tensor] = {}  # non-contiguous destinations
         self._flat: tuple[int, torch.Tensor] | None = None  # the source's chunked tensor
+        self.offsets = {i: o for s in self.steps if isinstance(s, _Packed) for i, o in s.parts}
+        self.ahead: set[int] = set()  # packed when gathered, before their bucket's turn
+        if isinstance(tensors, Gathered):
+            tensors.ahead = self._pack_ahead
 
     def run(self) -> None:
         """Move every step; a local failure lets the others finish, then raises on every member.
@@ -205,7 +182,7 @@ class Move:
             try:
                 if self.is_src:
                     _seams.packing(index)
-                wire = self._wire(step, failure is None)
+                wire = plain_wire(self._wire(step, failure is None), _size(step), self.group.device)
             except Exception as exc:
                 failure = failure or exc
             if wire is None:  # the step could not be prepared: move the staging's bytes
@@ -218,16 +195,21 @@ class Move:
                     failure = exc
         try:
             if failure is None:
-                for i, dest in self.contiguous.items():
-                    self.tensors[i].copy_(dest)
                 for dest, source in self.copies:
                     dest.copy_(source)
         except Exception as exc:
             failure = exc
         _agree.status(self.group, failure, what=self.what)
 
+    def _pack_ahead(self, i: int, full: torch.Tensor) -> None:
+        """Pack a DTensor gathered before its bucket goes (its staging is free till then)."""
+        n, offset = self.entries[i].nbytes, self.offsets[i]
+        wire = cast("torch.Tensor", self.staging)[offset : offset + n]
+        wire.copy_(chunk_bytes(full, 0, n, self.group.device))
+        self.ahead.add(i)
+
     def _fallback(self, step: _Packed | _Chunk) -> torch.Tensor:
-        n = step.nbytes if isinstance(step, _Packed) else step.stop - step.start
+        n = _size(step)
         if self.staging is None:
             return torch.empty(n, dtype=torch.uint8, device=self.group.device)
         return self.staging[:n]
@@ -236,20 +218,23 @@ class Move:
         """The bytes this member sends or receives into for ``step`` (packed on the source)."""
         device, staging = self.group.device, self.staging
         if isinstance(step, _Packed):
+            self._flat = None  # a chunked tensor is done with: dropped before the next gather
             wire = cast("torch.Tensor", staging)[: step.nbytes]
             if self.is_src and pack:
                 for i, off in step.parts:
+                    if i in self.ahead:
+                        continue
                     n = self.entries[i].nbytes
-                    flat = _flat_source(self.tensors[i])
-                    wire[off : off + n].copy_(_source_bytes(flat, 0, n, device))
+                    wire[off : off + n].copy_(chunk_bytes(self.tensors[i], 0, n, device))
             return wire
-        t, e = self.tensors[step.entry], self.entries[step.entry]
-        if self.is_src:  # flattened once per tensor (a copy if need be), not once per chunk
+        if self.is_src:  # read once per tensor (a DTensor gathered), then chunk by chunk
             if self._flat is None or self._flat[0] != step.entry:
-                self._flat = (step.entry, _flat_source(t))
-            return _source_bytes(self._flat[1], step.start, step.stop, device)
+                self._flat = None  # dropped before the next gather
+                self._flat = (step.entry, self.tensors[step.entry])
+            return chunk_bytes(self._flat[1], step.start, step.stop, device)
+        t, e = self.tensors[step.entry], self.entries[step.entry]
         if _direct(t, e, device):
-            return _flat_bytes(t)[step.start : step.stop]
+            return flat_bytes(t)[step.start : step.stop]
         return cast("torch.Tensor", staging)[: step.stop - step.start]
 
     def _unpack(self, step: _Packed | _Chunk, wire: torch.Tensor) -> None:
@@ -260,62 +245,8 @@ class Move:
                 self.tensors[i].copy_(wire[off : off + e.nbytes].view(e.dtype).view(e.shape))
             return
         t, e = self.tensors[step.entry], self.entries[step.entry]
-        if _direct(t, e, self.group.device):
-            return
-        dest = self.contiguous.get(step.entry, t)
-        if not _straight(dest, dest.device):  # filled whole by the chunks, copied in at the end
-            dest = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            self.contiguous[step.entry] = dest
-        size = e.dtype.itemsize
-        dest.view(-1)[step.start // size : step.stop // size].copy_(wire.view(e.dtype))
-
-
-def _entries_of(tensors: object) -> list[Entry]:
-    """The source's entries, or a TypeError naming what is wrong."""
-    if not isinstance(tensors, Mapping):
-        msg = f"tensors={tensors!r:.80} on the source must be a mapping of name -> tensor"
-        raise TypeError(msg)
-    out = []
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            msg = f"tensors[{name!r}] must map a str name to a torch.Tensor, not {type(t)!r}"
-            raise TypeError(msg)
-        if t.layout != torch.strided:
-            msg = f"tensors[{name!r}] is a {t.layout} tensor; broadcast_weights moves dense ones"
-            raise TypeError(msg)
-        out.append(Entry(name, tuple(t.shape), t.dtype))
-    return out
-
-
-def _check_into(into: object, entries: list[Entry], g: Group, src: int) -> None:
-    """Raise (on this member) what differs between ``into`` and the source's tensors."""
-    if not isinstance(into, Mapping) or not all(isinstance(t, torch.Tensor) for t in into.values()):
-        msg = f"into={into!r:.80} must be a mapping of name -> tensor (or None)"
-        raise TypeError(msg)
-    where = f"into on rank {g.rank}"
-    names = {e.name for e in entries}
-    for e in entries:
-        if e.name not in into:
-            msg = (
-                f"tensor {e.name!r} (shape {list(e.shape)} on the source, rank "
-                f"{g.ranks[src]}) is missing from {where} (shape: none)"
-            )
-            raise RankMismatchError(msg)
-        got = tuple(into[e.name].shape)
-        if got != e.shape:
-            msg = (
-                f"tensor {e.name!r} has shape {list(e.shape)} on the source (rank "
-                f"{g.ranks[src]}) but {list(got)} in {where}; shapes must be equal"
-            )
-            raise RankMismatchError(msg)
-    extra = [n for n in into if n not in names]
-    if extra:
-        name = extra[0]
-        msg = (
-            f"tensor {name!r} (shape {list(into[name].shape)} in {where}) is not sent by the "
-            f"source (rank {g.ranks[src]}, shape: none); {len(extra)} name(s) only in into"
-        )
-        raise RankMismatchError(msg)
+        if not _direct(t, e, self.group.device):  # any strides: written in place, chunk by chunk
+            fill_range(t, step.start // e.dtype.itemsize, wire.view(e.dtype))
 
 
 def _metadata(entries: list[Entry], bucket_bytes: int) -> bytes:
@@ -352,7 +283,7 @@ def _digest(rows: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> str:
 def _ready(into: object, device: torch.device) -> str:
     """A receiver's promise that its ``into`` takes every tensor as is: their digest, or ""."""
     try:
-        if isinstance(into, Mapping) and all(_straight(t, device) for t in into.values()):
+        if isinstance(into, Mapping) and all(straight(t, device) for t in into.values()):
             return _digest((n, tuple(t.shape), t.dtype) for n, t in into.items())
     except Exception:  # not tensors, or names that are not str: the checks name it later
         pass
@@ -413,7 +344,7 @@ def _agreed(
 
 
 def broadcast_weights(
-    group: Group | DistContext,
+    group: Group | DistContext | None,
     tensors: Mapping[str, torch.Tensor] | None = None,
     *,
     src: int = 0,
@@ -431,15 +362,26 @@ def broadcast_weights(
     into their destination when it is contiguous, of the source's dtype and on the
     group's device. Extra memory on every member: about one bucket.
 
+    The source's tensors may be DTensors (an FSDP2 trainer's ``state_dict()``): each is
+    gathered to its full tensor when its turn comes, one at a time, so the source's extra
+    memory is one bucket and one gathered tensor; receivers get plain tensors. Every
+    rank of the trainer's mesh takes part in each gather: its ranks that are not the
+    link's member call ``broadcast_weights(None, state_dict)``.
+
     Note:
         All members of the group must call it, with the same ``src``.
 
     Args:
-        group: The group (a context means its world).
-        tensors: On the source, name -> tensor (on any device); ignored elsewhere.
+        group: The group (a context means its world); None on a sharded trainer's rank
+            that is not a member: it gathers each DTensor of ``tensors`` with the member
+            (in the mapping's order, the same ``state_dict``), sends nothing and returns
+            an empty dict; when the member raised, it raises a ``PdistError`` saying so.
+        tensors: On the source, name -> tensor (on any device; DTensors gathered);
+            ignored on the other members.
         src: Group index of the source.
         into: name -> tensor to fill in place, as ``load_state_dict`` does (same shapes;
-            each cast to its own dtype and device: a bf16 model takes fp32 weights).
+            each cast to its own dtype and device: a bf16 model takes fp32 weights). None
+            on a source whose tensors are DTensors.
         bucket_bytes: The most bytes one broadcast carries.
 
     Returns:
@@ -448,32 +390,51 @@ def broadcast_weights(
 
     Raises:
         PdistError: On every member, when a member passed a bad argument (also a
-            ``TypeError``/``ValueError``) or its ``into`` differs from the source's
-            tensors (naming the tensor and both shapes), or a member went away.
+            ``TypeError``/``ValueError``: an ``into`` that cannot be filled, such as a
+            ``meta`` tensor, raises before any byte moves) or its ``into`` differs from
+            the source's tensors (naming the tensor and both shapes), when preparing the
+            source's tensors failed (that error, not a member named as gone), or a member
+            went away.
         RankMismatchError: On every member, when members passed different ``src``.
     """
+    if group is None:  # a sharded trainer's rank that is not the link member
+        gather_along(tensors)
+        return {}
     g = as_group(group)
     _check.agree_name(g, "broadcast_weights")  # check mode: the call is named
     what = "broadcast_weights"
     error: BaseException | None = None
     entries: list[Entry] = []
+    mine: Sequence[torch.Tensor] = []
     try:
         _check_args(g, src, bucket_bytes)
         if g.rank_in_group == src:
-            entries = _entries_of(tensors)
+            mine = sources(tensors)  # first: whatever fails next, the mesh gathers along
+            entries = entries_of(tensors)
+            if isinstance(mine, Gathered) and into is not None:
+                msg = f"into on the source (rank {g.rank}) holds DTensors; pass into=None there"
+                raise ValueError(msg)
     except Exception as exc:
         error = exc
-    if g.world_size == 1:
-        if error is not None:
-            raise error
-        return _local(entries, tensors, into)
-    with _member_lost(g, what):
-        return _broadcast(g, tensors, src, into, bucket_bytes, entries, error, what)
+    try:
+        if g.world_size > 1:
+            with _member_lost(g, what):
+                out = _broadcast(g, mine, src, into, bucket_bytes, entries, error, what)
+        else:
+            out = _local(g, entries, mine, into, error, src)
+    except BaseException:
+        if isinstance(mine, Gathered):  # the mesh gathers every tensor, and learns of it
+            with contextlib.suppress(Exception):  # this rank's own error matters more
+                mine.finish(failed=True)
+        raise
+    if isinstance(mine, Gathered):
+        mine.finish(failed=False)
+    return out
 
 
 def _broadcast(
     g: Group,
-    tensors: Mapping[str, torch.Tensor] | None,
+    sources: Sequence[torch.Tensor],
     src: int,
     into: Mapping[str, torch.Tensor] | None,
     bucket_bytes: int,
@@ -485,12 +446,12 @@ def _broadcast(
     entries, bucket, ready = _agreed(g, src, entries, bucket_bytes, into, error, what)
     is_src = g.rank_in_group == src
     failure: BaseException | None = None
-    targets: list[torch.Tensor] = []
+    targets: Sequence[torch.Tensor] = []
     move: Move | None = None
     try:
         if into is not None:
-            _check_into(into, entries, g, src)
-        targets = _targets(g, entries, tensors if is_src else into)
+            check_into(into, entries, g, src)
+        targets = sources if is_src else _targets(g, entries, into)
         mine = [into[e.name] for e in entries] if is_src and into is not None else []
         copies = zip(mine, targets, strict=False)  # the source fills its own into
         move = Move(g, entries, targets, src, bucket, what=what, copies=copies)
@@ -506,7 +467,8 @@ def _broadcast(
         cast("Move", move).run()
     if into is not None:
         return dict(into) if not isinstance(into, dict) else into
-    return {e.name: t for e, t in zip(entries, targets, strict=True)}
+    own = targets.tensors if isinstance(targets, Gathered) else targets  # the source's own
+    return {e.name: t for e, t in zip(entries, own, strict=True)}
 
 
 @contextlib.contextmanager
@@ -557,28 +519,33 @@ def _abort(pg: ProcessGroup, g: Group, what: str) -> None:
 def _targets(
     g: Group, entries: list[Entry], given: Mapping[str, torch.Tensor] | None
 ) -> list[torch.Tensor]:
-    """The tensors each entry moves from (source) or into (receivers)."""
+    """The tensors each entry moves into (receivers): ``into``'s, or new ones."""
     if given is not None:
         return [given[e.name] for e in entries]
     return [torch.empty(e.shape, dtype=e.dtype, device=g.device) for e in entries]
 
 
 def _local(
+    g: Group,
     entries: list[Entry],
-    tensors: Mapping[str, torch.Tensor] | None,
+    sources: Sequence[torch.Tensor],
     into: Mapping[str, torch.Tensor] | None,
+    error: BaseException | None,
+    src: int,
 ) -> dict[str, torch.Tensor]:
-    """A one-member group: ``into`` filled from ``tensors`` (checked), or their dict."""
-    assert tensors is not None
-    if into is None:
-        return dict(tensors)
-    names = {e.name for e in entries}
-    if set(into) != names or any(tuple(into[e.name].shape) != e.shape for e in entries):
-        msg = "broadcast_weights: into's names or shapes differ from the source's tensors"
-        raise RankMismatchError(msg)
+    """A one-member group: ``into`` (checked by ``check_into``) filled, or a new dict."""
+    if error is not None:
+        raise error
+    try:
+        if into is not None:
+            check_into(into, entries, g, src)
+    except Exception as exc:  # raised as the members of a larger group would
+        _agree.raise_own(g, exc, "broadcast_weights", wrap_pdist=True)
+    if into is None:  # a DTensor's full tensor (gathered with the mesh), else the tensor
+        return {e.name: sources[i] for i, e in enumerate(entries)}
     with torch.no_grad():
-        for e in entries:
-            into[e.name].copy_(tensors[e.name])
+        for i, e in enumerate(entries):
+            into[e.name].copy_(sources[i])
     return dict(into) if not isinstance(into, dict) else into
 
 

@@ -56,6 +56,7 @@ LAYERS = {
             "_moe",
             "_links",
             "_weights",
+            "_weight_tensors",
         ],
         9,
     ),
@@ -70,6 +71,7 @@ FEATURE_EDGES = {
     ("_gathers", "_objects"),  # the defaults of the object transports
     ("_p2p", "_objects"),  # the defaults, and the tensor-dict check
     ("_training", "_weights"),  # sync_model_states moves tensors as broadcast_weights does
+    ("_weights", "_weight_tensors"),  # its tensors: DTensors gathered, bytes, fillable into
     ("_mq", "_topology"),  # a queue needs every rank on one host
     ("_sequence", "_collectives"),  # Ulysses attention is two all_to_all_4d
     ("_collectives", "_launches"),  # the runner and how each collective runs
@@ -92,7 +94,7 @@ FEATURE_EDGES = {
 # needs memory for a result allocates it as torch would.
 BUFFER_USERS = {"_serialize", "_payload", "_agree", "_wire", "_objects", "_gathers", "_p2p"}
 BUFFER_USERS |= {"_collate", "_mq"}
-BUFFER_USERS |= {"_weights"}  # broadcast_weights is a transport: its buckets are staging
+BUFFER_USERS |= {"_weights", "_weight_tensors"}  # a transport: its buckets are staging
 
 
 def _module(path: Path) -> str:

@@ -298,3 +298,59 @@ def test_a_member_that_raises_is_named_to_the_others() -> None:
         line = "RAISED PeerLeftError: link rank 1 left the job: RuntimeError: boom"
         assert line in r.output, r.output
         assert "in load_batch)" in r.output, r.output
+
+
+LATE = """
+    import os, time
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        time.sleep(4)  # comes after member 0 gave up (at 2 s), while it lingers
+    start = time.monotonic()
+    try:
+        with pdist.link(os.environ["LINK"], rank=rank, world_size=2, timeout=2 + rank):
+            print("JOINED")
+    except pdist.PdistError as exc:
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}")
+    print("OK")
+"""
+
+
+def test_a_member_that_comes_after_member_0_gave_up_is_told_so() -> None:
+    """A late member: told that member 0 gave up waiting for it, not that member 0 never came."""
+    results = run_ranks(LATE, 2, timeout=60, env={"LINK": f"127.0.0.1:{free_port()}"})
+    passed(results, 2)
+    assert "link rank(s) [1] did not join" in results[0].output, results[0].output
+    late = results[1].output
+    assert "member 0 gave up waiting for link rank(s) [1] and closed the link" in late, late
+    assert "[0] did not join" not in late, late
+
+
+DUPLICATE = """
+    import os, time
+    import pdist
+
+    rank = int(os.environ["RANK"])
+    if rank == 2:
+        time.sleep(3)  # after the link of processes 0 and 1 formed and ended
+    start = time.monotonic()
+    try:
+        with pdist.link(os.environ["LINK"], rank=min(rank, 1), world_size=2, timeout=4) as g:
+            pdist.barrier(g)
+            print("JOINED")
+            if rank == 1:
+                os._exit(0)  # no goodbye: member 0 keeps its closed store a few seconds
+    except pdist.PdistError as exc:
+        print(f"RAISED after {time.monotonic() - start:.1f}s: {exc}")
+    print("OK")
+"""
+
+
+def test_a_second_process_with_a_rank_after_the_link_ended_is_told_so() -> None:
+    """Process 2 passes rank 1 too, after the link ended: told so, not that member 0 never came."""
+    results = run_ranks(DUPLICATE, 3, timeout=60, env={"LINK": f"127.0.0.1:{free_port()}"})
+    assert "JOINED" in results[0].output, results[0].output
+    late = results[2].output
+    assert "a link at this address formed and ended before link rank 1 came" in late, late
+    assert "[0] did not join" not in late, late

@@ -6,6 +6,7 @@ import pytest
 import torch
 from launcher import run_ranks
 from test_links import free_port, passed
+from torch.utils._pytree import tree_map
 
 import pdist
 from pdist.testing import count_collectives, inject, world_sizes
@@ -154,11 +155,12 @@ def test_a_source_into_that_differs_raises_everywhere(ctx):
 
 @world_sizes(3)
 def test_a_source_into_that_cannot_take_the_copy_raises_everywhere(ctx):
-    """The source fills its own into before the closing status: its failure reaches all."""
+    """The source's own into that cannot take the copy (expanded): every member raises up front."""
     src = 1
     into = {"w": torch.zeros(1).expand(4) if ctx.rank == src else torch.zeros(4)}
     tensors = {"w": torch.arange(4.0)} if ctx.rank == src else None
-    with pytest.raises(pdist.PdistError, match="failed on rank 1: RuntimeError"):
+    match = r"failed on rank 1: ValueError: into\['w'\] on rank 1 is an expanded view"
+    with pytest.raises(pdist.PdistError, match=match):
         pdist.broadcast_weights(ctx, tensors, src=src, into=into)
     assert pdist.all_reduce(ctx, torch.ones(1)).item() == 3.0
 
@@ -289,3 +291,101 @@ def test_receiver_exits_while_the_source_sends() -> None:
         assert "RAISED after" in r.output, r.output
         assert "link rank 2 went away without a word" in r.output, r.output
         assert float(r.output.split("RAISED after ")[1].split("s")[0]) < 10 + 15
+
+
+UNFILLABLE = [
+    (lambda: torch.empty(64, device="meta"), "on the meta device"),
+    (lambda: torch.zeros(1).expand(64), "expanded view"),
+]
+
+
+@world_sizes(1, 3)
+def test_an_into_that_cannot_be_filled_raises_everywhere_before_any_byte_moves(ctx):
+    """A meta (or expanded) into on one receiver: every member raises naming it, nothing moves."""
+    last = ctx.world_size - 1
+    for make, match in UNFILLABLE:
+        into = {n: torch.full(s, 5.0) for n, s in SHAPES.items()}
+        into["norm"] = make() if ctx.rank == last else into["norm"]
+        kept = {n: t.clone() for n, t in into.items() if n != "norm" or ctx.rank != last}
+        with pytest.raises(pdist.PdistError, match=rf"into\['norm'\] on rank {last} .*{match}"):
+            pdist.broadcast_weights(ctx, weights() if ctx.rank == 0 else None, into=into)
+        for n, t in kept.items():
+            assert torch.equal(into[n], t)  # untouched: no byte moved
+        assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+
+
+class Unsendable(torch.Tensor):
+    """A tensor of its own dispatch, as a DTensor is: aten ops keep it wrapped, c10d ops raise."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> Unsendable:  # noqa: D102
+        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype)
+        t.inner = data
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.namespace != "aten":
+            raise NotImplementedError(f"{func} has no rule for Unsendable")
+        unwrap = lambda t: t.inner if isinstance(t, Unsendable) else t  # noqa: E731
+        wrap = lambda t: Unsendable(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(wrap, out)
+
+
+@world_sizes(2, 3)
+def test_a_local_error_on_the_source_is_raised_as_itself_everywhere(ctx):
+    """A tensor whose bytes cannot go on the wire: its error raises on all, no peer named gone."""
+    source = ctx.world_size - 1
+    tensors = {"w": Unsendable(torch.arange(8.0)), "b": torch.ones(3)}
+    into = None if ctx.rank == source else {"w": torch.zeros(8), "b": torch.zeros(3)}
+    match = rf"failed on rank {source}: TypeError: .*Unsendable"
+    sent = tensors if ctx.rank == source else None
+    # In chunks (a bucket of 16 bytes), the source's tensor would be the wire itself.
+    with pytest.raises((TypeError, pdist.PdistError), match=match) as info:
+        pdist.broadcast_weights(ctx, sent, src=source, into=into, bucket_bytes=16)
+    assert isinstance(info.value, TypeError)  # not a member named as gone
+    if ctx.rank == source:  # its own error, as the cause
+        assert type(info.value.__cause__) is TypeError
+    assert pdist.all_reduce(ctx, torch.ones(1)).item() == ctx.world_size
+
+
+@world_sizes(2)
+def test_a_permuted_into_is_filled_in_place_chunk_by_chunk(ctx):
+    """A 3-d permuted source into a permuted bf16 into, in 64-byte chunks cutting rows anywhere."""
+    source = torch.arange(5 * 6 * 7.0).view(6, 7, 5).permute(1, 2, 0)  # [7, 5, 6]
+    into = {"w": torch.zeros(5, 6, 7, dtype=torch.bfloat16).permute(2, 0, 1)}
+    pdist.broadcast_weights(
+        ctx, {"w": source} if ctx.rank == 0 else None, into=into, bucket_bytes=64
+    )
+    assert torch.equal(into["w"], source.bfloat16())
+
+
+TRANSPOSED = """
+    import os, resource
+    import torch
+    import pdist
+
+    def peak_mib():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    rank = int(os.environ["RANK"])
+    with pdist.link(os.environ["LINK"], rank=rank, world_size=2, timeout=60) as g:
+        weight = torch.arange(4096 * 4096, dtype=torch.float32).view(4096, 4096)  # 64 MiB
+        into = {"w": torch.zeros(4096, 4096).t()}  # transposed: no chunk lands straight
+        pdist.barrier(g)
+        base = peak_mib()
+        pdist.broadcast_weights(g, {"w": weight.t()} if rank == 0 else None, into=into,
+                                bucket_bytes=1 << 20)
+        grown = peak_mib() - base
+        print(f"GREW {grown:.1f} MiB")
+        if rank == 1:
+            assert torch.equal(into["w"], weight.t())
+        assert grown < 32, grown  # about a 1 MiB bucket (and allocator slack), not 64 MiB
+    print("OK")
+"""
+
+
+def test_a_transposed_into_grows_the_receiver_by_a_bucket_not_the_tensor() -> None:
+    """A transposed 64 MiB source and into in 1 MiB buckets: neither side copies it whole."""
+    passed(run_ranks(TRANSPOSED, 2, timeout=120, env={"LINK": f"127.0.0.1:{free_port()}"}), 2)
