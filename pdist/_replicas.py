@@ -112,7 +112,7 @@ def _first_difference(mine: Any, theirs: Any, path: str) -> str | None:
                 f"{tuple(theirs.shape)} {theirs.dtype} on the source"
             )
     elif isinstance(mine, Mapping) and isinstance(theirs, Mapping):
-        for key in mine.keys() & theirs.keys():
+        for key in (k for k in mine if k in theirs):  # in order: the first difference
             if (found := _first_difference(mine[key], theirs[key], f"{path}[{key!r}]")) is not None:
                 return found
     return None
@@ -168,14 +168,13 @@ class FaultTolerant:
             time.sleep(_POLL_SEC)
         return bytes(self._call(store.get, PREFIX + key))
 
-    def _beat(self, host: str, port: int) -> None:
+    def _beat(self, store: Store) -> None:
         """Rank 0's heartbeat, on a connection of its own, until the replica leaves."""
-        try:
-            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
-            while not self._stop.wait(BEAT_SEC):
+        while not self._stop.wait(BEAT_SEC):
+            try:
                 store.add(f"{PREFIX}hb/{self.replica_id}", 1)
-        except Exception:  # the coordinator is gone: the main thread says so when it asks
-            return
+            except Exception:  # the main thread names a coordinator that is gone, when it asks
+                continue
 
     def open(self, host: str, port: int) -> None:
         """Connect, agree on this process's token, register and start the heartbeat."""
@@ -190,8 +189,8 @@ class FaultTolerant:
             self._call(self.store.add, f"{PREFIX}hb/{self.replica_id}", 1)
             n = self._call(self.store.add, PREFIX + "reg", 1)
             self._call(self.store.set, f"{PREFIX}reg/{n}", self.replica_id)
-            args = (host, port)
-            threading.Thread(target=self._beat, args=args, daemon=True, name="pdist-ft").start()
+            beats = self._call(TCPStore, host, port, None, False, timedelta(seconds=5))
+            threading.Thread(target=self._beat, args=(beats,), daemon=True, name="pdist-ft").start()
 
     def close(self) -> None:
         """Stop the heartbeat, tell the coordinator (best effort) and drop the Group."""
@@ -265,8 +264,12 @@ class FaultTolerant:
             self._call(self.store.add, f"{PREFIX}done/{q}", 1)
         else:
             line = f"replica {self.replica_id!r} rank {self.ctx.rank}: {summary(error)}"
+            key = f"{PREFIX}fail/{q}"
             with contextlib.suppress(PdistError):  # its own error matters more
-                self._call(self.store.set, f"{PREFIX}fail/{q}", line)
+                if _communication(error):  # an echo: the first report stays
+                    self._call(self.store.compare_set, key, "", line)
+                else:  # a root cause (the user's error, a state that does not fit)
+                    self._call(self.store.set, key, line)
             self._drop()  # its peers still in a collective with it fail at once
 
     def _heal(self, group: Group, info: dict[str, Any], state: Mapping[str, Stateful]) -> bool:

@@ -38,9 +38,10 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return ((model(x) - y) ** 2).sum() / BATCH  # sum over the share, divided by the global batch
 
 
-def _await(out: Path, tags: list[str]) -> None:
+def _await(out: Path, names: list[str]) -> None:
+    """The test's pacing: wait (60 s at most) for files it or a replica writes."""
     end = time.monotonic() + 60
-    while not all((out / f"started-{t}").exists() for t in tags) and time.monotonic() < end:
+    while not all((out / n).exists() for n in names) and time.monotonic() < end:
         time.sleep(0.05)
 
 
@@ -66,11 +67,10 @@ def replica(opts: dict[str, Any]) -> None:
         ) as ft,
     ):
         (out / f"started-{opts['tag']}").write_text("1")
-        _await(out, opts.get("start_with", []))  # the test's pacing: start together
+        _await(out, [f"started-{t}" for t in opts.get("start_with", [])])
         state = {"model": model, "optim": opt}
         while ft.step < STEPS:
-            if ft.step == opts.get("hold_at"):  # and wait for the restarted replica
-                _await(out, ["restart"])
+            _await(out, opts.get("holds", {}).get(str(ft.step), []))
             with ft.quorum(state) as q:
                 if q.step == 0 and not (out / f"init-{opts['id']}.pt").exists():
                     torch.save(model.state_dict(), out / f"init-{opts['id']}.pt")
@@ -172,12 +172,18 @@ def _tensors(tree: Any, path: str = "") -> dict[str, torch.Tensor]:
 
 def test_a_replica_killed_in_the_all_reduce_and_restarted_ends_exact(run: Run) -> None:
     """3 replicas, one SIGKILLed in step 4's all-reduce and restarted: all end bitwise equal."""
+    holds = {"7": ["started-wrong"], "9": ["started-restart"]}
     for rid in range(3):
-        kill = {"kill_at": 4} if rid == 1 else {"hold_at": 7}
+        kill = {"kill_at": 4} if rid == 1 else {"holds": holds}
         run.replica(f"r{rid}", id=rid, seed=100 + rid, start_with=["r0", "r1", "r2"], **kill)
     assert run.wait("r1", 120) == -signal.SIGKILL, run.log("r1")
-    time.sleep(2)  # "a few seconds later"
-    run.replica("restart", id=1, seed=999)
+    # It comes back with another model first: refused, naming the tensor; the others go on.
+    run.replica("wrong", id=1, seed=999, width=WIDTH + 1)
+    assert run.wait("wrong", 120) == 1
+    assert "RankMismatchError" in run.log("wrong"), run.log("wrong")
+    assert "state['model']['0.weight'] is (7, 4)" in run.log("wrong"), run.log("wrong")
+    time.sleep(1)  # a few seconds after the kill
+    run.replica("restart", id=1, seed=998)
     for tag in ("r0", "r2", "restart"):
         assert run.wait(tag, 120) == 0, run.log(tag)
     finals = {tag: torch.load(run.tmp / f"final-{tag}.pt") for tag in ("r0", "r2", "restart")}
@@ -203,6 +209,39 @@ def test_a_replica_killed_in_the_all_reduce_and_restarted_ends_exact(run: Run) -
     log = run.log("coordinator")
     assert "step 4 (quorum 5) did not commit" in log, log  # quorums 1-4: steps 0-3
     assert "joined ['1']; left []; healed ['1']" in log, log
+
+
+def test_min_replicas_the_survivor_of_two_kills_commits_nothing_alone_and_raises(run: Run) -> None:
+    """min_replicas=2, two of three killed: the survivor raises within timeout + 10 s."""
+    for rid in range(3):
+        kill = {"kill_at": 3} if rid else {}
+        opts = {"min": 2, "timeout": 5, "start_with": ["r0", "r1", "r2"], **kill}
+        run.replica(f"r{rid}", id=rid, seed=100 + rid, **opts)
+    for tag in ("r1", "r2"):
+        assert run.wait(tag, 120) == -signal.SIGKILL, run.log(tag)
+    killed = float((run.tmp / "killed").read_text())
+    assert run.wait("r0", 60) == 1, run.log("r0")
+    took = time.time() - killed
+    assert took < 5 + 10, took
+    assert "live replicas: [0], min_replicas=2" in run.log("r0"), run.log("r0")
+    assert "replicas ['0'];" not in run.log("coordinator"), run.log("coordinator")
+
+
+def test_replicas_whose_coordinator_is_gone_raise_naming_its_address(run: Run) -> None:
+    """The coordinator killed mid-run: every replica raises within timeout + 10 s."""
+    tags = ["r0", "r1"]
+    for rid in range(2):
+        holds = {"3": ["coordinator-killed"]}
+        run.replica(f"r{rid}", id=rid, seed=100 + rid, timeout=5, start_with=tags, holds=holds)
+    _await(run.tmp, [f"started-{t}" for t in tags])
+    time.sleep(1)
+    run.procs["coordinator"].kill()
+    (run.tmp / "coordinator-killed").write_text("1")
+    killed = time.time()
+    for tag in tags:
+        assert run.wait(tag, 60) == 1, run.log(tag)
+        assert f"the coordinator at {run.address} does not answer" in run.log(tag), run.log(tag)
+    assert time.time() - killed < 5 + 10
 
 
 if __name__ == "__main__":
