@@ -45,53 +45,83 @@ def _await(out: Path, names: list[str]) -> None:
         time.sleep(0.05)
 
 
-def replica(opts: dict[str, Any]) -> None:
-    """One replica's job: ``STEPS`` steps under ``fault_tolerant`` (in a process of its own)."""
+class _TensorParallel(torch.nn.Module):
+    """The MLP over ``ctx.tp``: the first layer's rows split, the second replicated."""
+
+    def __init__(self, ctx: Any, whole: torch.nn.Module) -> None:
+        super().__init__()
+        self.tp = ctx.tp
+        rows = whole[0].out_features // self.tp.world_size
+        self.w1 = torch.nn.Linear(4, rows)
+        self.w2 = whole[2]
+        with torch.no_grad():
+            self.w1.weight.copy_(whole[0].weight.chunk(self.tp.world_size)[self.tp.rank_in_group])
+            self.w1.bias.copy_(whole[0].bias.chunk(self.tp.world_size)[self.tp.rank_in_group])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import pdist
+
+        return self.w2(pdist.all_gather(self.tp, torch.tanh(self.w1(x)), dim=-1))
+
+
+def _train_step(ctx: Any, model: torch.nn.Module, q: Any, opts: dict[str, Any]) -> None:
+    """Backward on this replica's share of the global batch, then the all-reduce across replicas."""
     import torch.distributed as dist
 
     import pdist
 
+    x, y = _batch(q.step)
+    tp = ctx.tp.world_size  # every tp rank computes the whole loss: each takes 1/tp of it
+    (_loss(model, x[q.index :: q.size], y[q.index :: q.size]) / tp).backward()
+    if tp > 1:  # the replicated layer's gradient: the sum of the tp ranks' parts
+        for p in model.w2.parameters():
+            pdist.all_reduce_(ctx.tp, p.grad)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    if q.step == opts.get("kill_at"):  # die inside the block, in the all-reduce
+        dist.all_reduce(grads, group=q.group.device_group, async_op=True)
+        (Path(opts["out"]) / "killed").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    pdist.all_reduce_(q.group, grads)
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def replica(opts: dict[str, Any]) -> None:
+    """One replica's job (one of its ranks): ``STEPS`` steps under ``fault_tolerant``."""
+    import pdist
+
     out = Path(opts["out"])
-    torch.manual_seed(opts["seed"])  # a fresh random init per process: healing must fix it
+    torch.manual_seed(opts["seed"])  # a fresh random init per replica: healing must fix it
     model = _model(opts.get("width", WIDTH))
-    opt = torch.optim.Adam(model.parameters(), lr=0.02)
     commits: list[tuple[int, float]] = []
-    with (
-        pdist.distributed() as ctx,
-        pdist.fault_tolerant(
+    with pdist.distributed(tp=opts.get("tp", 1)) as ctx:
+        model = _TensorParallel(ctx, model) if ctx.tp.world_size > 1 else model
+        opt = torch.optim.Adam(model.parameters(), lr=0.02)
+        mine = f"{opts['tag']}-{ctx.rank}"
+        with pdist.fault_tolerant(
             ctx,
             opts["address"],
             replica_id=opts["id"],
             min_replicas=opts.get("min", 1),
             timeout=opts.get("timeout", 20),
-        ) as ft,
-    ):
-        (out / f"started-{opts['tag']}").write_text("1")
-        _await(out, [f"started-{t}" for t in opts.get("start_with", [])])
-        state = {"model": model, "optim": opt}
-        while ft.step < STEPS:
-            _await(out, opts.get("holds", {}).get(str(ft.step), []))
-            with ft.quorum(state) as q:
-                if q.step == 0 and not (out / f"init-{opts['id']}.pt").exists():
-                    torch.save(model.state_dict(), out / f"init-{opts['id']}.pt")
-                x, y = _batch(q.step)
-                _loss(model, x[q.index :: q.size], y[q.index :: q.size]).backward()
-                grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-                if q.step == opts.get("kill_at"):  # die inside the block, in the all-reduce
-                    dist.all_reduce(grads, group=q.group.device_group, async_op=True)
-                    (out / "killed").write_text(repr(time.time()))
-                    os.kill(os.getpid(), signal.SIGKILL)
-                pdist.all_reduce_(q.group, grads)
-                offset = 0
-                for p in model.parameters():
-                    p.grad.copy_(grads[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-            if q.committed:
-                opt.step()
-                commits.append((q.step, time.time()))
-            opt.zero_grad()
+        ) as ft:
+            (out / f"started-{mine}").write_text("1")
+            _await(out, [f"started-{t}-{ctx.rank}" for t in opts.get("start_with", [])])
+            state = {"model": model, "optim": opt}
+            while ft.step < STEPS:
+                _await(out, opts.get("holds", {}).get(str(ft.step), []))
+                with ft.quorum(state) as q:
+                    if q.step == 0 and not (out / f"init-{opts['id']}-{ctx.rank}.pt").exists():
+                        torch.save(model.state_dict(), out / f"init-{opts['id']}-{ctx.rank}.pt")
+                    _train_step(ctx, model, q, opts)
+                if q.committed:
+                    opt.step()
+                    commits.append((q.step, time.time()))
+                opt.zero_grad()
     final = {"model": model.state_dict(), "optim": opt.state_dict(), "commits": commits}
-    torch.save(final, out / f"final-{opts['tag']}.pt")
+    torch.save(final, out / f"final-{mine}.pt")
 
 
 class Run:
@@ -100,23 +130,29 @@ class Run:
     def __init__(self, tmp: Path, port: int) -> None:
         self.tmp, self.address = tmp, f"127.0.0.1:{port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: list[Any] = []
         self._start("coordinator", "-m", "pdist", "coordinator", f"--port={port}")
 
-    def _start(self, tag: str, *args: str) -> subprocess.Popen[str]:
+    def _start(self, tag: str, *args: str, env: dict[str, str] | None = None) -> None:
         log = open(self.tmp / f"{tag}.log", "w")  # noqa: SIM115 (closed in close())
         self.logs.append(log)
-        proc = subprocess.Popen(
-            [sys.executable, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT, text=True
+        self.procs[tag] = subprocess.Popen(
+            [sys.executable, *args], env=env or self.env, stdout=log, stderr=subprocess.STDOUT
         )
-        self.procs[tag] = proc
-        return proc
 
-    def replica(self, tag: str, **opts: Any) -> subprocess.Popen[str]:
-        """Start the replica ``tag`` (this file as a script) with ``opts``."""
-        opts = {"address": self.address, "out": str(self.tmp), "tag": tag, **opts}
-        return self._start(tag, str(Path(__file__)), json.dumps(opts))
+    def replica(self, tag: str, *, tp: int = 1, **opts: Any) -> None:
+        """Start the replica ``tag`` (this file as a script, ``tp`` ranks) with ``opts``."""
+        from test_links import free_port
+
+        opts = {"address": self.address, "out": str(self.tmp), "tag": tag, "tp": tp, **opts}
+        port = str(free_port())
+        for rank in range(tp):
+            launcher = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(tp)}
+            launcher |= {"LOCAL_WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1"}
+            env = self.env | (launcher | {"MASTER_PORT": port} if tp > 1 else {})
+            name = tag if rank == 0 else f"{tag}.{rank}"
+            self._start(name, str(Path(__file__)), json.dumps(opts), env=env)
 
     def log(self, tag: str) -> str:
         """What ``tag`` printed so far."""
@@ -170,9 +206,48 @@ def _tensors(tree: Any, path: str = "") -> dict[str, torch.Tensor]:
     return {}
 
 
+def _whole(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """A replica's model and optimizer state as one process's (tp shards concatenated)."""
+    parts = [_tensors({"model": r["model"], "optim": r["optim"]}) for r in ranks]
+    out = {}
+    for key, t in parts[0].items():
+        sharded = "w1." in key or key.startswith(("/optim/state/0/", "/optim/state/1/"))
+        name = key.replace("w1.", "0.").replace("w2.", "2.")
+        out[name] = torch.cat([p[key] for p in parts]) if sharded and t.dim() else t
+    return out
+
+
+def _check_exact(run: Run, tags: list[str], tp: int) -> None:
+    """Every replica's ranks bitwise equal, and within 1e-5 of one process; the kill's cost."""
+    finals = {t: [torch.load(run.tmp / f"final-{t}-{r}.pt") for r in range(tp)] for t in tags}
+    init = _whole(
+        [{"model": torch.load(run.tmp / f"init-0-{r}.pt"), "optim": {}} for r in range(tp)]
+    )
+    want = _tensors(_reference({k.removeprefix("/model/"): v for k, v in init.items()}))
+    for tag, ranks in finals.items():
+        for rank, final in enumerate(ranks):
+            got, first = _tensors(final), _tensors(finals[tags[0]][rank])
+            for name, t in got.items():
+                assert torch.equal(t, first[name]), f"{tag} rank {rank}: {name} differs"
+        got = _whole(ranks)
+        assert got.keys() == want.keys(), (tag, sorted(got), sorted(want))
+        for name, t in got.items():
+            torch.testing.assert_close(t, want[name], atol=1e-5, rtol=0, msg=f"{tag}: {name}")
+    killed = float((run.tmp / "killed").read_text())
+    survivors = [r for t in tags if t != "restart" for r in finals[t]]
+    after = max(min(t for _, t in r["commits"] if t > killed) - killed for r in survivors)
+    print(f"from the kill to the survivors' next committed step: {after:.2f} s")
+    assert after < 5.0, after
+    steps = [s for s, _ in finals[tags[0]][0]["commits"]]
+    assert steps == list(range(STEPS)), steps  # each step committed once: step 4 was redone
+    log = run.log("coordinator")
+    assert "step 4 (quorum 5) did not commit" in log, log  # quorums 1-4: steps 0-3
+    assert "joined ['1']; left []; healed ['1']" in log, log
+
+
 def test_a_replica_killed_in_the_all_reduce_and_restarted_ends_exact(run: Run) -> None:
     """3 replicas, one SIGKILLed in step 4's all-reduce and restarted: all end bitwise equal."""
-    holds = {"7": ["started-wrong"], "9": ["started-restart"]}
+    holds = {"7": ["started-wrong-0"], "9": ["started-restart-0"]}
     for rid in range(3):
         kill = {"kill_at": 4} if rid == 1 else {"holds": holds}
         run.replica(f"r{rid}", id=rid, seed=100 + rid, start_with=["r0", "r1", "r2"], **kill)
@@ -186,29 +261,21 @@ def test_a_replica_killed_in_the_all_reduce_and_restarted_ends_exact(run: Run) -
     run.replica("restart", id=1, seed=998)
     for tag in ("r0", "r2", "restart"):
         assert run.wait(tag, 120) == 0, run.log(tag)
-    finals = {tag: torch.load(run.tmp / f"final-{tag}.pt") for tag in ("r0", "r2", "restart")}
-    init = torch.load(run.tmp / "init-0.pt")
-    want = _tensors(_reference(init))
-    for tag, final in finals.items():
-        got = _tensors({"model": final["model"], "optim": final["optim"]})
-        assert got.keys() == want.keys(), (tag, sorted(got), sorted(want))
-        first = _tensors({"model": finals["r0"]["model"], "optim": finals["r0"]["optim"]})
-        for name, t in got.items():
-            assert torch.equal(t, first[name]), f"{tag}: {name} differs from replica 0's"
-            torch.testing.assert_close(t, want[name], atol=1e-5, rtol=0, msg=f"{tag}: {name}")
-    killed = float((run.tmp / "killed").read_text())
-    after = [
-        min(t for _, t in final["commits"] if t > killed) - killed
-        for tag, final in finals.items()
-        if tag != "restart"
-    ]
-    print(f"from the kill to the survivors' next committed step: {max(after):.2f} s")
-    assert max(after) < 5.0, after
-    steps = [s for s, _ in finals["r0"]["commits"]]
-    assert steps == list(range(STEPS)), steps  # each step committed once: step 4 was redone
-    log = run.log("coordinator")
-    assert "step 4 (quorum 5) did not commit" in log, log  # quorums 1-4: steps 0-3
-    assert "joined ['1']; left []; healed ['1']" in log, log
+    _check_exact(run, ["r0", "r2", "restart"], tp=1)
+
+
+def test_two_replicas_of_two_tp_ranks_one_killed_and_restarted_end_exact(run: Run) -> None:
+    """2 replicas of tp=2: each rank heals from its counterpart; every shard ends exact."""
+    holds = {"7": ["started-restart-0", "started-restart-1"]}
+    for rid in range(2):
+        kill = {"kill_at": 4} if rid == 1 else {"holds": holds}
+        run.replica(f"r{rid}", tp=2, id=rid, seed=100 + rid, start_with=["r0", "r1"], **kill)
+    assert run.wait("r1", 120) == -signal.SIGKILL, run.log("r1")
+    time.sleep(1)
+    run.replica("restart", tp=2, id=1, seed=998)
+    for tag in ("r0", "r0.1", "restart", "restart.1"):
+        assert run.wait(tag, 120) == 0, run.log(tag)
+    _check_exact(run, ["r0", "restart"], tp=2)
 
 
 def test_min_replicas_the_survivor_of_two_kills_commits_nothing_alone_and_raises(run: Run) -> None:
@@ -233,7 +300,7 @@ def test_replicas_whose_coordinator_is_gone_raise_naming_its_address(run: Run) -
     for rid in range(2):
         holds = {"3": ["coordinator-killed"]}
         run.replica(f"r{rid}", id=rid, seed=100 + rid, timeout=5, start_with=tags, holds=holds)
-    _await(run.tmp, [f"started-{t}" for t in tags])
+    _await(run.tmp, [f"started-{t}-0" for t in tags])
     time.sleep(1)
     run.procs["coordinator"].kill()
     (run.tmp / "coordinator-killed").write_text("1")
