@@ -271,6 +271,7 @@ def test_two_replicas_of_two_tp_ranks_one_killed_and_restarted_end_exact(run: Ru
         kill = {"kill_at": 4} if rid == 1 else {"holds": holds}
         run.replica(f"r{rid}", tp=2, id=rid, seed=100 + rid, start_with=["r0", "r1"], **kill)
     assert run.wait("r1", 120) == -signal.SIGKILL, run.log("r1")
+    assert run.wait("r1.1", 60) != 0, run.log("r1.1")
     time.sleep(1)
     run.replica("restart", tp=2, id=1, seed=998)
     for tag in ("r0", "r0.1", "restart", "restart.1"):
