@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -310,6 +311,37 @@ def test_replicas_whose_coordinator_is_gone_raise_naming_its_address(run: Run) -
         assert run.wait(tag, 60) == 1, run.log(tag)
         assert f"the coordinator at {run.address} does not answer" in run.log(tag), run.log(tag)
     assert time.time() - killed < 5 + 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"address": "no-port"}, "address='no-port' must be 'host:port'"),
+        ({"replica_id": "a/b"}, "replica_id='a/b' must be"),
+        ({"replica_id": True}, "replica_id=True must be"),
+        ({"min_replicas": 0}, "min_replicas=0 must be a positive int"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_connects(kwargs: dict[str, Any], match: str) -> None:
+    """A bad address, replica_id or min_replicas: ValueError naming it, nothing started."""
+    import pdist
+
+    args = {"address": "127.0.0.1:1", "replica_id": 0, **kwargs}
+    address = args.pop("address")
+    with (
+        pytest.raises(ValueError, match=re.escape(match)),
+        pdist.fault_tolerant(None, address, **args),
+    ):
+        pass
+
+
+def test_coordinator_needs_a_port() -> None:
+    """``pdist coordinator`` without --port is a usage error (exit status 2)."""
+    from pdist.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["coordinator"])
+    assert exit_info.value.code == 2
 
 
 if __name__ == "__main__":
