@@ -313,6 +313,15 @@ def test_replicas_whose_coordinator_is_gone_raise_naming_its_address(run: Run) -
     assert time.time() - killed < 5 + 10
 
 
+def test_the_bench_row_times_a_death_to_the_next_commit() -> None:
+    """``pdist bench``'s row: a replica SIGKILLed in an all-reduce costs well under 5 s."""
+    from pdist.cli.coordinator import death_to_commit
+
+    seconds = death_to_commit(2)
+    print(f"death to commit (bench row, 2 replicas): {seconds:.2f} s")
+    assert 0 < seconds < 5.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

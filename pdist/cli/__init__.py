@@ -114,6 +114,12 @@ def _bench(args: argparse.Namespace) -> int:
         f"torch {report['torch_version']}, {'quick' if args.quick else 'full'} run"
     )
     print(_format(report["records"]))
+    if not args.quick:  # its own processes: a coordinator and 3 one-rank replicas
+        from .coordinator import death_to_commit
+
+        seconds = death_to_commit(3)
+        report["fault_tolerance"] = {"replicas": 3, "death_to_commit_seconds": seconds}
+        print(f"fault_tolerant: a replica's death to the survivors' next commit {seconds:.2f}s")
     _write(args.json, report, len(report["records"]))
     return 0
 

@@ -11,22 +11,32 @@ that has not moved for ``--dead-after`` seconds, or that said it left, is out.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from pdist._compat import TCPStore
 from pdist._replicas import PREFIX, order
 
-__all__ = ["Coordinator", "serve"]
+__all__ = ["Coordinator", "death_to_commit", "serve"]
 
 
 class Coordinator:
     """The coordinator's state: replicas seen, their heartbeats, the open quorum."""
 
-    def __init__(self, store: Any, dead_after: float) -> None:
-        self.store, self.dead_after = store, dead_after
+    def __init__(self, store: Any, dead_after: float, say: Callable[[str], None] = print) -> None:
+        self.store, self.dead_after, self.say = store, dead_after, say
         self.ids: list[str] = []
         self.beats: dict[str, tuple[int, float]] = {}
         self.answered: dict[str, tuple[str, int]] = {}
@@ -103,10 +113,9 @@ class Coordinator:
         joined = [m for m in members if m not in self.members]
         left = [m for m in self.members if m not in members]
         self.members, self.open = members, info | {"quorum": q}
-        print(
+        self.say(
             f"pdist coordinator: quorum {q} at step {step}: replicas {members}; joined {joined}; "
-            f"left {left}; healed {healed}",
-            flush=True,
+            f"left {left}; healed {healed}"
         )
 
     def _decide_commit(self, live: list[str]) -> None:
@@ -123,10 +132,7 @@ class Coordinator:
         self.open = None
         if not committed:
             why = fail or f"replica(s) {gone} stopped answering"
-            print(
-                f"pdist coordinator: step {info['step']} (quorum {q}) did not commit: {why}",
-                flush=True,
-            )
+            self.say(f"pdist coordinator: step {info['step']} (quorum {q}) did not commit: {why}")
 
 
 def serve(port: int, *, host: str = "0.0.0.0", dead_after: float = 1.0) -> int:
@@ -134,10 +140,89 @@ def serve(port: int, *, host: str = "0.0.0.0", dead_after: float = 1.0) -> int:
     wait = timedelta(seconds=30)
     store = TCPStore(host, port, None, True, wait, wait_for_workers=False)
     print(f"pdist coordinator: listening on {host}:{port}", flush=True)
-    coordinator = Coordinator(store, dead_after)
+    coordinator = Coordinator(store, dead_after, functools.partial(print, flush=True))
     try:
         while True:
             coordinator.tick()
             time.sleep(0.005)
     except KeyboardInterrupt:
         return 0
+
+
+def bench_replica(address: str, replica_id: str, replicas: str, out: str) -> None:
+    """One replica of :func:`death_to_commit` (its own process): replica 1 dies in step 4."""
+    import torch
+
+    import pdist
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    commits: list[float] = []
+    with (
+        pdist.distributed() as ctx,
+        pdist.fault_tolerant(ctx, address, replica_id=replica_id) as ft,
+    ):
+        Path(out, f"started-{replica_id}").write_text("1")
+        while not all(Path(out, f"started-{i}").exists() for i in range(int(replicas))):
+            time.sleep(0.01)  # start together: the kill falls in a quorum of all
+        while ft.step < 8:
+            with ft.quorum({"model": model, "optim": opt}) as q:
+                model(torch.randn(8, 64)).square().sum().backward()
+                grads = torch.cat(
+                    [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+                )
+                if replica_id == "1" and q.step == 4:
+                    torch.distributed.all_reduce(grads, group=q.group.device_group, async_op=True)
+                    Path(out, "killed").write_text(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                pdist.all_reduce_(q.group, grads)
+            if q.committed:
+                commits.append(time.time())
+            opt.zero_grad()
+    Path(out, f"commits-{replica_id}").write_text(json.dumps(commits))
+
+
+def death_to_commit(replicas: int = 3, dead_after: float = 1.0) -> float:
+    """Seconds from a replica's SIGKILL inside a step's all-reduce to the survivors' next commit.
+
+    A coordinator in this process, and ``replicas`` one-rank replicas (gloo) as processes.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    coordinator, stop = Coordinator(store, dead_after, lambda line: None), threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.005):
+            coordinator.tick()
+
+    threading.Thread(target=tick, daemon=True, name="pdist-coordinator").start()
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}  # its own jobs
+    with tempfile.TemporaryDirectory() as out:
+        code = "import sys; from pdist.cli.coordinator import bench_replica as r; r(*sys.argv[1:])"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, f"127.0.0.1:{port}", str(i), str(replicas), out],
+                env=env,
+            )
+            for i in range(replicas)
+        ]
+        try:
+            codes = [p.wait(timeout=300) for p in procs]
+        finally:
+            stop.set()
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if codes != [0, -signal.SIGKILL, *[0] * (replicas - 2)]:
+            msg = f"death_to_commit: the replicas ended with {codes}"
+            raise RuntimeError(msg)
+        killed = float(Path(out, "killed").read_text())
+        firsts = [
+            min(t for t in json.loads(Path(out, f"commits-{i}").read_text()) if t > killed)
+            for i in range(replicas)
+            if i != 1
+        ]
+        return float(max(firsts) - killed)
