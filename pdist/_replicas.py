@@ -213,9 +213,15 @@ class FaultTolerant:
                     _compat.abort_group(pg, group.device)
                 _compat.shutdown_group(pg)
 
-    def _build(self, q: int, members: tuple[str, ...]) -> Group:
-        """The quorum's Group: one communicator per coordinate, rebuilt per membership."""
-        if self._reuse and self._group is not None and members == self._members:
+    def _build(self, q: int, info: dict[str, Any]) -> Group:
+        """The quorum's Group: one communicator per coordinate, rebuilt per membership.
+
+        The same members are the same processes (a replica restarted under its old id has
+        another token), after a step that committed: their Group serves again.
+        """
+        members = tuple(info["replicas"])
+        same = (*members, *info["tokens"]) == self._members
+        if self._reuse and self._group is not None and same:
             return self._group
         self._drop()
         index, size = members.index(self.replica_id), len(members)
@@ -245,7 +251,7 @@ class FaultTolerant:
                 device_key=lifetime.add(tensors, created=False),
                 cpu_key=lifetime.add(cpu, created=False),
             ),
-            members,
+            (*members, *info["tokens"]),
         )
         return self._group
 
@@ -312,7 +318,7 @@ class FaultTolerant:
             q, info = self._ask()
             members = tuple(info["replicas"])
             try:
-                group = self._build(q, members)
+                group = self._build(q, info)
                 healed = self._heal(group, info, state)
             except BaseException as exc:
                 self._report(q, exc)

@@ -121,6 +121,8 @@ def replica(opts: dict[str, Any]) -> None:
                     opt.step()
                     commits.append((q.step, time.time()))
                 opt.zero_grad()
+                if ft.step == opts.get("die_after"):  # die between steps
+                    os.kill(os.getpid(), signal.SIGKILL)
     final = {"model": model.state_dict(), "optim": opt.state_dict(), "commits": commits}
     torch.save(final, out / f"final-{mine}.pt")
 
@@ -128,12 +130,12 @@ def replica(opts: dict[str, Any]) -> None:
 class Run:
     """A coordinator and the replicas of one test; everything it started ends with it."""
 
-    def __init__(self, tmp: Path, port: int) -> None:
+    def __init__(self, tmp: Path, port: int, *coordinator: str) -> None:
         self.tmp, self.address = tmp, f"127.0.0.1:{port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: list[Any] = []
-        self._start("coordinator", "-m", "pdist", "coordinator", f"--port={port}")
+        self._start("coordinator", "-m", "pdist", "coordinator", f"--port={port}", *coordinator)
 
     def _start(self, tag: str, *args: str, env: dict[str, str] | None = None) -> None:
         log = open(self.tmp / f"{tag}.log", "w")  # noqa: SIM115 (closed in close())
@@ -311,6 +313,29 @@ def test_replicas_whose_coordinator_is_gone_raise_naming_its_address(run: Run) -
         assert run.wait(tag, 60) == 1, run.log(tag)
         assert f"the coordinator at {run.address} does not answer" in run.log(tag), run.log(tag)
     assert time.time() - killed < 5 + 10
+
+
+def test_a_replica_back_before_it_is_missed_gets_a_new_group(tmp_path: Path) -> None:
+    """Killed between steps, back under its id within --dead-after: the Group is rebuilt."""
+    from test_links import free_port
+
+    run = Run(tmp_path, free_port(), "--dead-after=30")
+    try:
+        for rid in range(2):
+            died = {"die_after": 4} if rid == 1 else {}
+            run.replica(f"r{rid}", id=rid, seed=100 + rid, start_with=["r0", "r1"], **died)
+        assert run.wait("r1", 120) == -signal.SIGKILL, run.log("r1")
+        run.replica("restart", id=1, seed=998)  # the coordinator still hears replica 1 live
+        for tag in ("r0", "restart"):
+            assert run.wait(tag, 120) == 0, run.log(tag)
+        log = run.log("coordinator")
+        assert "quorum 5 at step 4: replicas ['0', '1']; joined []; left []; healed ['1']" in log
+        assert "did not commit" not in log, log  # the old Group was not taken for the new one
+        ends = [_tensors(torch.load(tmp_path / f"final-{t}-0.pt")) for t in ("r0", "restart")]
+        for name, t in ends[0].items():
+            assert torch.equal(t, ends[1][name]), name
+    finally:
+        run.close()
 
 
 def test_the_bench_row_times_a_death_to_the_next_commit() -> None:

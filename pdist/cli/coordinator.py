@@ -103,7 +103,8 @@ class Coordinator:
         if all(asks[m]["new"] for m in members):  # the first quorum: everyone from one state
             healed = [m for i, m in enumerate(members) if i != source]
         ranks = [asks[m]["ranks"] for m in members]
-        info = {"step": step, "replicas": members, "ranks": ranks}
+        tokens = [asks[m]["token"] for m in members]  # the processes: a restart is another
+        info = {"step": step, "replicas": members, "ranks": ranks, "tokens": tokens}
         self.store.set(
             self.key(f"round/{q}"), json.dumps(info | {"source": source, "healed": healed})
         )
