@@ -227,6 +227,7 @@ class FaultTolerant:
         index, size = members.index(self.replica_id), len(members)
         device, wait = self.ctx.device, timedelta(seconds=self.seconds)
         store = PrefixStore(f"{PREFIX}q/{q}/c{self.ctx.rank}/", self.store)
+        self._arrive(q, store, size)
         try:
             cpu = _compat.unregistered_group(store, index, size, "gloo", torch.device("cpu"), wait)
             tensors: ProcessGroup = cpu
@@ -254,6 +255,20 @@ class FaultTolerant:
             (*members, *info["tokens"]),
         )
         return self._group
+
+    def _arrive(self, q: int, store: Store, size: int) -> None:
+        """Wait for every member's counterpart before building (gloo would wait ``timeout``).
+
+        A member that died since the quorum was decided never arrives; the coordinator then
+        decides the quorum did not commit, and this raises at once.
+        """
+        self._call(store.add, "arrived", 1)
+        deadline = time.monotonic() + self.seconds
+        while self._call(store.add, "arrived", 0) < size:
+            if self._call(self.store.check, [f"{PREFIX}commit/{q}"]) or time.monotonic() > deadline:
+                msg = f"fault_tolerant: a member of quorum {q} left before its group was built"
+                raise PeerLeftError(msg)
+            time.sleep(_POLL_SEC)
 
     def _ask(self) -> tuple[int, dict[str, Any]]:
         """Ask to join the next quorum (rank 0 asks; every rank reads the answer)."""

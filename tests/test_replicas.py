@@ -89,11 +89,27 @@ def _train_step(ctx: Any, model: torch.nn.Module, q: Any, opts: dict[str, Any]) 
         offset += p.numel()
 
 
+def _die_building(step: int, out: Path) -> None:
+    from pdist import _replicas
+
+    build = _replicas.FaultTolerant._build
+
+    def dying(self: Any, q: int, info: dict[str, Any]) -> Any:
+        if info["step"] == step:
+            (out / "killed").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return build(self, q, info)
+
+    _replicas.FaultTolerant._build = dying  # type: ignore[method-assign]
+
+
 def replica(opts: dict[str, Any]) -> None:
     """One replica's job (one of its ranks): ``STEPS`` steps under ``fault_tolerant``."""
     import pdist
 
     out = Path(opts["out"])
+    if "die_building" in opts:  # the test's own hook: die once the quorum is decided
+        _die_building(opts["die_building"], out)
     torch.manual_seed(opts["seed"])  # a fresh random init per replica: healing must fix it
     model = _model(opts.get("width", WIDTH))
     commits: list[tuple[int, float]] = []
@@ -336,6 +352,20 @@ def test_a_replica_back_before_it_is_missed_gets_a_new_group(tmp_path: Path) -> 
             assert torch.equal(t, ends[1][name]), name
     finally:
         run.close()
+
+
+def test_a_member_that_dies_before_the_group_is_built_costs_a_step(run: Run) -> None:
+    """A member gone between the quorum's decision and its Group: the other goes on at once."""
+    for rid in range(2):
+        died = {"die_building": 0} if rid == 1 else {}  # step 0: a Group is built
+        run.replica(f"r{rid}", id=rid, seed=100 + rid, start_with=["r0", "r1"], timeout=60, **died)
+    assert run.wait("r1", 120) == -signal.SIGKILL, run.log("r1")
+    assert run.wait("r0", 120) == 0, run.log("r0")
+    killed = float((run.tmp / "killed").read_text())
+    commits = torch.load(run.tmp / "final-r0-0.pt")["commits"]
+    after = min(t for _, t in commits if t > killed) - killed
+    assert after < 5.0, after  # not timeout=60 in gloo's rendezvous
+    assert [s for s, _ in commits] == list(range(STEPS))
 
 
 def test_the_bench_row_times_a_death_to_the_next_commit() -> None:
