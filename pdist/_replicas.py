@@ -12,13 +12,13 @@ The store's keys, under ``pdist/ft/`` (plain JSON and integers; nothing runs as 
 - ``ask/<id>``: the replica's request to join the next quorum (its token, request number,
   step, whether it is new, ``min_replicas``, ranks); ``gone/<id>``: its token, as it leaves;
 - ``answer/<token>/<n>``: the quorum a request got, ``round/<q>`` that quorum (its step,
-  members, ranks per member, the healing source and the healed);
+  members, their tokens and ranks, the healing source and the healed);
 - ``done/<q>`` (a counter) and ``fail/<q>``: how each rank's block went; ``commit/<q>``: the
   coordinator's verdict, written once; ``live``: the replicas it hears now.
 
-A quorum's Group is rebuilt from the store whenever the members change or a step failed
-(gloo on CPU; on CUDA also NCCL, aborted when a member fails), outside torch's registry as
-:func:`~pdist.link`'s are.
+A quorum's Group is rebuilt under ``q/<q>/c<rank>/`` whenever the members' processes change
+or a step failed (gloo on CPU; on CUDA also NCCL, aborted when a member fails), outside
+torch's registry as :func:`~pdist.link`'s are.
 """
 
 from __future__ import annotations

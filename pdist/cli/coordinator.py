@@ -214,9 +214,9 @@ def death_to_commit(replicas: int = 3, dead_after: float = 1.0) -> float:
             codes = [p.wait(timeout=300) for p in procs]
         finally:
             stop.set()
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            for p in procs:  # a process that has ended is not signalled
+                p.kill()
+                p.wait()
         if codes != [0, -signal.SIGKILL, *[0] * (replicas - 2)]:
             msg = f"death_to_commit: the replicas ended with {codes}"
             raise RuntimeError(msg)
