@@ -78,6 +78,9 @@ def _train_step(ctx: Any, model: torch.nn.Module, q: Any, opts: dict[str, Any]) 
         for p in model.w2.parameters():
             pdist.all_reduce_(ctx.tp, p.grad)
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    if q.step == opts.get("raise_at"):  # the user's own error, inside the block
+        msg = f"the user's own error at step {q.step}"
+        raise ValueError(msg)
     if q.step == opts.get("kill_at"):  # die inside the block, in the all-reduce
         dist.all_reduce(grads, group=q.group.device_group, async_op=True)
         (Path(opts["out"]) / "killed").write_text(repr(time.time()))
@@ -365,6 +368,21 @@ def test_a_member_that_dies_before_the_group_is_built_costs_a_step(run: Run) -> 
     commits = torch.load(run.tmp / "final-r0-0.pt")["commits"]
     after = min(t for _, t in commits if t > killed) - killed
     assert after < 5.0, after  # not timeout=60 in gloo's rendezvous
+    assert [s for s, _ in commits] == list(range(STEPS))
+
+
+def test_a_users_error_in_the_block_propagates_and_the_others_redo_the_step(run: Run) -> None:
+    """A ValueError of the user's code leaves its replica; the other redoes the step alone."""
+    for rid in range(2):
+        raised = {"raise_at": 2} if rid == 1 else {}
+        run.replica(f"r{rid}", id=rid, seed=100 + rid, start_with=["r0", "r1"], **raised)
+    assert run.wait("r1", 120) == 1, run.log("r1")
+    assert "ValueError: the user's own error at step 2" in run.log("r1"), run.log("r1")
+    assert run.wait("r0", 120) == 0, run.log("r0")
+    log = run.log("coordinator")
+    assert "step 2 (quorum 3) did not commit: replica '1' rank 0: ValueError" in log, log
+    assert "quorum 4 at step 2: replicas ['0']; joined []; left ['1']" in log, log
+    commits = torch.load(run.tmp / "final-r0-0.pt")["commits"]
     assert [s for s, _ in commits] == list(range(STEPS))
 
 
