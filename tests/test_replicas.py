@@ -386,6 +386,29 @@ def test_a_users_error_in_the_block_propagates_and_the_others_redo_the_step(run:
     assert [s for s, _ in commits] == list(range(STEPS))
 
 
+def test_the_coordinator_reads_a_registration_once_its_id_is_written() -> None:
+    """A replica counted in ``reg`` before its id is written is read on a later tick."""
+    from datetime import timedelta
+
+    from pdist._compat import TCPStore
+    from pdist.cli.coordinator import Coordinator
+
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    lines: list[str] = []
+    coordinator = Coordinator(store, 30.0, lines.append)
+    store.add("pdist/ft/reg", 1)  # the replica counted itself; its id comes next
+    coordinator.tick()
+    store.set("pdist/ft/reg/1", "7")
+    ask = {"token": "t", "n": 1, "step": 0, "new": True, "min": 1, "ranks": 1}
+    store.set("pdist/ft/ask/7", json.dumps(ask))
+    coordinator.tick()  # reads the id (and hears it live); the next tick, its ask
+    coordinator.tick()
+    assert store.get("pdist/ft/live") == b"7"
+    assert lines == ["pdist coordinator: quorum 1 at step 0: replicas ['7']; joined ['7']; "
+                     "left []; healed []"]  # fmt: skip
+    assert store.get("pdist/ft/answer/t/1") == b"1"
+
+
 def test_the_bench_row_times_a_death_to_the_next_commit() -> None:
     """``pdist bench``'s row: a replica SIGKILLed in an all-reduce costs well under 5 s."""
     from pdist.cli.coordinator import death_to_commit

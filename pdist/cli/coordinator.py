@@ -56,7 +56,9 @@ class Coordinator:
     def _live(self, asks: dict[str, dict[str, Any]]) -> list[str]:
         now = time.monotonic()
         while self.store.add(self.key("reg"), 0) > len(self.ids):
-            rid = self._get(f"reg/{len(self.ids) + 1}") or ""
+            rid = self._get(f"reg/{len(self.ids) + 1}")
+            if rid is None:  # counted, its id not written yet: the next tick reads it
+                break
             self.ids.append(rid)
         live = []
         for rid in dict.fromkeys(self.ids):
