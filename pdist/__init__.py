@@ -51,6 +51,7 @@ from ._ranks import is_local_rank0 as is_local_rank0
 from ._ranks import is_rank0 as is_rank0
 from ._ranks import rank0_first as rank0_first
 from ._ranks import rank0_only as rank0_only
+from ._replicas import fault_tolerant as fault_tolerant
 from ._sequence import ulysses_attention as ulysses_attention
 from ._stall import STALL_EXIT_CODE as STALL_EXIT_CODE
 from ._subgroups import device_mesh as device_mesh
@@ -103,6 +104,7 @@ __all__ = [
     "collate_batches",
     "device_mesh",
     "distributed",
+    "fault_tolerant",
     "flatten",
     "gather",
     "gather_object",

@@ -57,6 +57,7 @@ LAYERS = {
             "_links",
             "_weights",
             "_weight_tensors",
+            "_replicas",
         ],
         9,
     ),
@@ -86,6 +87,8 @@ FEATURE_EDGES = {
     ("_context", "_stall"),
     ("_stall", "_guard"),  # a stall exit ends the process as the start-up guard does
     ("_stall", "_stall_report"),  # the watch and its pure formatter
+    ("_replicas", "_objects"),  # the replica's ranks agree on its token in one broadcast
+    ("_replicas", "_p2p"),  # healing: each rank's state from its counterpart
     ("__main__", "cli"),  # python -m pdist runs the command line
 }
 

@@ -73,6 +73,8 @@ PUBLIC = {
     # links and weights
     "link",
     "broadcast_weights",
+    # replicas
+    "fault_tolerant",
     # same host
     "message_queue",
     "graph_capture",

@@ -1,4 +1,7 @@
-"""The command line, ``python -m pdist doctor|bench`` (or ``pdist``): no pdist module imports it."""
+"""The command line, ``python -m pdist doctor|bench|coordinator`` (or ``pdist``).
+
+No pdist module imports it.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ def _positive(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdist", description="pdist command line tools")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench,coordinator}")
     doctor = sub.add_parser("doctor", help="check the distributed set-up and report its health")
     doctor.add_argument("--nproc", type=_positive, help="spawn N local ranks")
     bench = sub.add_parser("bench", help="time pdist's collectives against torch baselines")
@@ -35,6 +38,17 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a short run (a minute on 2 CPU ranks)")
     bench.add_argument(
         "--json", metavar="PATH", help="write every figure, with the set-up it ran on, to PATH"
+    )
+    coordinator = sub.add_parser(
+        "coordinator", help="host the store fault-tolerant replicas meet at"
+    )
+    coordinator.add_argument("--port", type=_positive, required=True, help="the port to listen on")
+    coordinator.add_argument("--host", default="0.0.0.0", help="the address to listen on")
+    coordinator.add_argument(
+        "--dead-after",
+        type=float,
+        default=1.0,
+        help="seconds without a heartbeat after which a replica is left out (default 1)",
     )
     return parser
 
@@ -122,6 +136,12 @@ def _bench(args: argparse.Namespace) -> int:
         f"torch {report['torch_version']}, {'quick' if args.quick else 'full'} run"
     )
     print(_format(report["records"], quick=args.quick))
+    if not args.quick:  # its own processes: a coordinator and 3 one-rank replicas
+        from .coordinator import death_to_commit
+
+        seconds = death_to_commit(3)
+        report["fault_tolerance"] = {"replicas": 3, "death_to_commit_seconds": seconds}
+        print(f"fault_tolerant: a replica's death to the survivors' next commit {seconds:.2f}s")
     _write(args.json, report, len(report["records"]))
     return 0
 
@@ -131,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "coordinator":
+        from .coordinator import serve
+
+        return serve(args.port, host=args.host, dead_after=args.dead_after)
     from .doctor import doctor
 
     return doctor(args.nproc)
