@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -39,7 +40,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple, TypeVar
 
 from . import _compat
-from ._compat import Store, TCPStore
+from ._compat import PrefixStore, Store, TCPStore
 from ._errors import PdistError, PeerLeftError
 from ._group import Group, Lifetime
 
@@ -110,6 +111,25 @@ def _connection(store: Store) -> Store:
             store.host, store.port, is_master=False, wait_for_workers=False, timeout=timeout
         )
     return _compat.store_connection(store) or store
+
+
+def _refuses(store: Store) -> bool:
+    """Whether ``store``'s TCP host refuses a connection: its process is gone, at once.
+
+    torch's client retries a refused connect until its timeout, so two looks at a store
+    whose host exited would take seconds each; a bare connect says so in a millisecond.
+    """
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, TCPStore):
+        return False
+    try:
+        socket.create_connection((store.host, store.port), timeout=_STORE_TIMEOUT).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable, or slow: the looks below decide
+        return False
+    return False
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -377,8 +397,12 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
         # A store that takes seconds to answer under load is not gone: a wide bound, and
         # a second look (one that fails at once, refused, fails at once again).
         try:
+            if _refuses(store):
+                raise StoreGoneError
             missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
         except StoreGoneError:
+            if _refuses(store):
+                raise
             missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
     except StoreGoneError:
         word = _rank_word(group.lifetime)

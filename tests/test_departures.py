@@ -112,3 +112,32 @@ def test_a_store_that_is_gone_too_is_said_so():
         spawn(_store_host_dies, 2, port, timeout=60)
     sections = {int(s.split(" ", 1)[0]): s for s in str(info.value).split("----- rank ")[1:]}
     assert "the rendezvous store does not answer either" in sections[1]
+
+
+def _threads_after_clean_blocks(port: int) -> list[str]:
+    import threading
+    import time
+    from datetime import timedelta
+
+    rank = int(os.environ["RANK"])
+    # A store that outlives the blocks, as a launcher's agent's does.
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    for i in range(3):
+        prefixed = dist.PrefixStore(f"block{i}", store)
+        with pdist.distributed(store=prefixed, rank=rank, world_size=2) as ctx:
+            pdist.all_reduce(ctx, torch.ones(2))  # the block's first collective starts it
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [t.name for t in threading.enumerate() if t.name == "pdist-roll-call"]
+        if not alive:
+            break
+        time.sleep(0.05)
+    return alive
+
+
+def test_a_clean_block_ends_its_roll_call_thread():
+    """Each rank answers roll calls from a thread; it ends with its block, the store outliving it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert spawn(_threads_after_clean_blocks, 2, port, timeout=60) == [[], []]
