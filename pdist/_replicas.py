@@ -119,7 +119,7 @@ def _first_difference(mine: Any, theirs: Any, path: str) -> str | None:
 
 
 class FaultTolerant:
-    """A replica's handle (see [`fault_tolerant`][pdist.fault_tolerant]); ``step``: committed steps."""
+    """A replica's handle (see [`fault_tolerant`][pdist.fault_tolerant]); ``step``: steps done."""
 
     def __init__(self, ctx: DistContext, address: str, rid: str, minimum: int, seconds: float):
         self.ctx, self.address, self.replica_id = ctx, address, rid

@@ -136,7 +136,7 @@ def _threads_after_clean_blocks(port: int) -> list[str]:
 
 
 def test_a_clean_block_ends_its_roll_call_thread():
-    """Each rank answers roll calls from a thread; it ends with its block, the store outliving it."""
+    """Each rank answers roll calls from a thread; it ends with its block, the store outlives it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
