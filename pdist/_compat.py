@@ -17,7 +17,7 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +47,7 @@ __all__ = [
     "all_gather_into",
     "backend_name",
     "before_destroying_groups",
+    "connected",
     "default_store",
     "device_mesh_from_group",
     "dtensor_type",
@@ -71,6 +72,7 @@ __all__ = [
     "split_group",
     "store_connection",
     "synchronize",
+    "tcp_client",
     "unregistered_group",
     "unsupported",
     "validate_sparse",
@@ -446,6 +448,30 @@ def recorder_sees_gloo() -> bool:
     return FEATURES.flight_recorder == "_dump_fr_trace"
 
 
+def connected(connect: Callable[[], Store]) -> Store:
+    """``connect()``, tried once more if it fails (a new TCP store connection, bounded).
+
+    One new connection in 25 or so to a torch TCP store does not connect within its timeout
+    (torch 2.6 to 2.13: every 25th of a burst, here); the next one connects at once.
+    """
+    try:
+        return connect()
+    except RuntimeError:  # torch's DistNetworkError
+        return connect()
+
+
+def tcp_client(host: str, port: int, timeout: timedelta | None = None) -> TCPStore:
+    """A new client connection to the TCP store at ``host:port`` (``connected``)."""
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+
+    def connect() -> TCPStore:
+        return TCPStore(host, port, is_master=False, wait_for_workers=False, **kwargs)
+
+    client = connected(connect)
+    assert isinstance(client, TCPStore)
+    return client
+
+
 def store_connection(store: Store, timeout: timedelta | None = None) -> Store | None:
     """A store that reaches ``store``'s keys without sharing its connection, or None.
 
@@ -460,11 +486,10 @@ def store_connection(store: Store, timeout: timedelta | None = None) -> Store | 
     conn: Store | None = None
     if FEATURES.store_clone:
         with contextlib.suppress(Exception):  # a store type without clone
-            conn = store.clone()  # type: ignore[attr-defined]
+            conn = connected(store.clone)  # type: ignore[attr-defined]
     if conn is None and isinstance(store, TCPStore):
         wait: Any = timeout or getattr(store, "timeout", None)
-        kwargs = {} if wait is None else {"timeout": wait}
-        conn = TCPStore(store.host, store.port, is_master=False, wait_for_workers=False, **kwargs)
+        conn = tcp_client(store.host, store.port, wait)
     if conn is None:
         return None if isinstance(store, PrefixStore) else store
     if timeout is not None:

@@ -106,10 +106,7 @@ def bounded(fn: Callable[[], T], seconds: float = _WAIT, name: str = "pdist-exit
 def _connection(store: Store) -> Store:
     """A connection of its own, whose connect and reads give up within ``_STORE_TIMEOUT``."""
     if isinstance(store, TCPStore):  # a client that does not retry a gone server for 30 min
-        timeout = timedelta(seconds=_STORE_TIMEOUT)
-        return TCPStore(
-            store.host, store.port, is_master=False, wait_for_workers=False, timeout=timeout
-        )
+        return _compat.tcp_client(store.host, store.port, timedelta(seconds=_STORE_TIMEOUT))
     return _compat.store_connection(store) or store
 
 
@@ -203,7 +200,7 @@ def record(
     ``echo``: the failure followed a peer's departure, ``after`` names those peers (a
     reader names them first); a PeerLeftError in ``exc``'s chain makes it one too.
     """
-    if lifetime.exit_records is None:
+    if lifetime.exit_records is None or lifetime.store_gone:
         return
     store, prefix = lifetime.exit_records
     followed, named = _followed(exc)
@@ -283,8 +280,9 @@ def _listen(group: Group) -> None:
         return  # this rank is "not known" to a roll call
     if conn is not None:
         args = (conn, f"{prefix}/roll/{group.rank}", f"{prefix}/here/{group.rank}")
-        threading.Thread(target=_answer, args=args, name="pdist-roll-call", daemon=True).start()
-        vars(lifetime)[_LISTENER] = args[1]  # where closing the block ends the thread
+        thread = threading.Thread(target=_answer, args=args, name="pdist-roll-call", daemon=True)
+        thread.start()
+        vars(lifetime)[_LISTENER] = (args[1], thread)  # closing the block ends the thread
 
 
 def stop_listening(lifetime: Lifetime) -> None:
@@ -293,12 +291,14 @@ def stop_listening(lifetime: Lifetime) -> None:
     Its wait would otherwise hold a store connection for up to ``_LISTEN`` after the block
     (the launcher's store outlives it); a rank that left through an error ended it already.
     """
-    call = vars(lifetime).get(_LISTENER)
-    if lifetime.exit_records is None or not isinstance(call, str):
+    listener = vars(lifetime).get(_LISTENER)
+    if lifetime.exit_records is None or lifetime.store_gone or not isinstance(listener, tuple):
         return
     store = lifetime.exit_records[0]
+    call, thread = listener
     with contextlib.suppress(StoreGoneError):
         bounded(lambda: _connection(store).set(call, "exit"))
+        thread.join(_STORE_TIMEOUT)  # no pdist thread outlives a clean block
 
 
 def _answer(conn: Store, call: str, here: str) -> None:
@@ -393,18 +393,21 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
         cited = {r for x in left if not x.primary for r in x.after} - {*others, group.rank}
         return missing, listening, left + _records(conn, prefix, cited)  # not members
 
+    # A store that takes seconds to answer under load is not gone: a wide bound, and a
+    # second look within it after a look that failed (a refused connect fails both at once;
+    # a frozen host, which accepts and never answers, takes the bound once, not twice).
+    deadline = time.monotonic() + _ROLL_CALL_SECONDS + 2 * _WAIT
     try:
-        # A store that takes seconds to answer under load is not gone: a wide bound, and
-        # a second look (one that fails at once, refused, fails at once again).
         try:
             if _refuses(store):
                 raise StoreGoneError
-            missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
+            missing, listening, left = bounded(look, deadline - time.monotonic())
         except StoreGoneError:
-            if _refuses(store):
+            if _refuses(store) or deadline - time.monotonic() < _STORE_TIMEOUT:
                 raise
-            missing, listening, left = bounded(look, _ROLL_CALL_SECONDS + 2 * _WAIT)
+            missing, listening, left = bounded(look, deadline - time.monotonic())
     except StoreGoneError:
+        group.lifetime.store_gone = True
         word = _rank_word(group.lifetime)
         host = "link rank 0" if word == "link rank" else "rank 0, or the launcher's agent"
         msg = (

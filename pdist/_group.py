@@ -81,6 +81,9 @@ class Lifetime:
         self.check = False
         # Where a rank leaving the block records why (``_departures``): the store, its prefix.
         self.exit_records: tuple[Store, str] | None = None
+        # A survivor found the store gone with its host: teardown skips the store calls that
+        # would each wait out their bound (a frozen host accepts and never answers).
+        self.store_gone = False
         # pdist's tensor collectives so far, per group name (a survivor's "all_reduce #6").
         self.calls: dict[str, int] = {}
         self._pgs: list[ProcessGroup] = []

@@ -353,7 +353,7 @@ class Watch:
 
         answers = False
         with contextlib.suppress(StoreGoneError):  # a store gone with its host
-            if control is not None:
+            if control is not None and not self._lifetime.store_gone:
                 bounded(wake, bound, "pdist-stall-store")
                 answers = True
         self._mine.add(key)
