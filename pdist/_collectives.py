@@ -212,7 +212,8 @@ def _collective(
     if g.world_size == 1:
         return x
     grad = torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None
-    fields = dict(zip(_ARG_NAMES[name], args, strict=True), requires_grad=grad or None)
+    fields = dict(zip(_ARG_NAMES[name], args, strict=True))  # no keywords: torch 2.6 traces it
+    fields["requires_grad"] = grad or None
     _check.agree_call(g, name, x, **fields)  # with a gradient, the backward communicates too
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
         return _launches.traced_closed(x, spec.shape(g, x, *args))
