@@ -421,8 +421,13 @@ def test_threads_and_store_keys_stay_flat_over_blocks():
         # The other rank's next start-up may add its keys before this rank counts: a count
         # may run ahead of the line by a block's keys, never away from it.
         keys = out["keys"]
-        step = (keys[-1] - keys[0]) // (len(keys) - 1)
-        assert all(abs(k - keys[0] - i * step) <= step for i, k in enumerate(keys)), str(keys)
+        step = (keys[n - 1] - keys[0]) // (n - 1)  # the watched blocks' growth
+        line = all(abs(k - keys[0] - i * step) <= step for i, k in enumerate(keys[:n]))
+        assert line, str(keys)
+        # An unwatched block adds fewer (no roll call of the watch's), a stall round no more.
+        assert all(0 < b - a <= step for a, b in zip(keys[n - 1 :], keys[n:], strict=False)), str(
+            keys
+        )
         fr = None if out["user_set"] else str(2000)
         for names, env in out["inside"][:n]:  # the roll-call thread answers for the rank
             assert names == ["pdist-roll-call", "pdist-stall", "pdist-stall-answer"]
