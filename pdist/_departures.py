@@ -8,9 +8,10 @@ the user's frame (``train.py:57 in load_batch``). A survivor whose pdist collect
 fails reads those lines and raises a [`PdistError`][pdist.PdistError] naming the rank
 that left, chained to torch's error; for collectives pdist does not run (DDP's
 buckets, a raw ``dist.all_reduce``) the same line is printed when the survivor's
-exception leaves its block. Every store access runs on its own connection in a
-daemon thread with a bounded wait (principle 15): a store that is gone too (its
-host was the rank that left) makes the survivor say so instead of waiting.
+exception leaves its block. Every store access runs in a daemon thread with a
+bounded wait (principle 15), on a connection the block opened before anything failed:
+a store that is gone too (its host was the rank that left) makes the survivor say so
+instead of waiting.
 
 A rank that left no line (killed, out of memory, ``os._exit``) is found by a roll call.
 From its first pdist collective of a block on (``distributed()``'s start-up agreement, or
@@ -70,6 +71,7 @@ _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's depart
 # wait that times out makes torch log, so it is long). It ends with the store, or on a call.
 _LISTEN = timedelta(hours=1)
 _LISTENER = "_pdist_roll_call"  # the Lifetime attribute: this block's thread is started
+_CALLS = "_pdist_store_calls"  # the Lifetime attribute: the block's connection for short calls
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
     for m in (sys.modules["torch"], sys.modules[__name__.rsplit(".", 1)[0]])
@@ -215,7 +217,7 @@ def record(
         value = f"{_PRIMARY}|{word} {rank} left the job: {summary(exc)}"
 
     def write() -> None:
-        conn = _connection(store)
+        conn = _calls(lifetime, store)
         conn.set(f"{prefix}/left/{rank}", value)
         conn.add(f"{prefix}/left/count", 1)
         conn.set(f"{prefix}/roll/{rank}", "exit")  # this rank's roll-call thread ends
@@ -246,16 +248,19 @@ def _read(lifetime: Lifetime, ranks: Iterable[int]) -> list[_Left]:
     if lifetime.exit_records is None:
         return []
     store, prefix = lifetime.exit_records
-    return bounded(lambda: _records(_connection(store), prefix, ranks))
+    return bounded(lambda: _records(_calls(lifetime, store), prefix, ranks))
 
 
 def _listen(group: Group) -> None:
     """Start this rank's roll-call thread for ``group``'s block, once; it answers for the rank.
 
-    The first call of a block connects and says in the store that this rank answers (one
-    connection and one key, bounded) before its collective: a rank that dies just after
-    is then known to be gone, not "not known". The thread holds that connection only, not
-    the store (a link's member 0 must be able to free its port).
+    The thread opens two connections of its own: one it waits on, and one the block's
+    short calls share (records, reads, roll calls), so that a failure opens none. A new
+    connection to a store can take seconds (torch's client looks up the peer's name), so
+    the caller waits for them within ``_WAIT`` only: a rank that says in the store that it
+    answers before its collective is known to be gone if it dies just after, and one whose
+    connection is late is "not known" until it is made. The thread holds connections only,
+    not the store (a link's member 0 must be able to free its port).
     """
     lifetime = group.lifetime
     if lifetime.exit_records is None or group.world_size == 1 or _LISTENER in vars(lifetime):
@@ -264,25 +269,35 @@ def _listen(group: Group) -> None:
     if vars(lifetime).setdefault(_LISTENER, mine) is not mine:
         return  # another thread of this rank started it
     store, prefix = lifetime.exit_records
+    call, here = f"{prefix}/roll/{group.rank}", f"{prefix}/here/{group.rank}"
+    ready = threading.Event()
 
-    def connect() -> Store | None:
-        if isinstance(store, TCPStore):
-            conn: Store | None = _connection(store)
-        else:  # a connection of its own, or none: a wait on a shared one blocks the rank
-            conn = _compat.store_connection(store, timedelta(seconds=_STORE_TIMEOUT))
-        if conn is not None:
+    def run() -> None:
+        try:
+            if isinstance(store, TCPStore):
+                conn: Store | None = _connection(store)
+            else:  # a connection of its own, or none: a wait on a shared one blocks the rank
+                conn = _compat.store_connection(store, timedelta(seconds=_STORE_TIMEOUT))
+            if conn is None:
+                return
             conn.set(f"{prefix}/listening/{group.rank}", "1")
-        return conn
+            vars(lifetime)[_CALLS] = _connection(store)
+        except Exception:  # no store to answer through: this rank is "not known"
+            return
+        finally:
+            ready.set()
+        _answer(conn, call, here)
 
-    try:
-        conn = bounded(connect)
-    except StoreGoneError:
-        return  # this rank is "not known" to a roll call
-    if conn is not None:
-        args = (conn, f"{prefix}/roll/{group.rank}", f"{prefix}/here/{group.rank}")
-        thread = threading.Thread(target=_answer, args=args, name="pdist-roll-call", daemon=True)
-        thread.start()
-        vars(lifetime)[_LISTENER] = (args[1], thread)  # closing the block ends the thread
+    thread = threading.Thread(target=run, name="pdist-roll-call", daemon=True)
+    thread.start()
+    vars(lifetime)[_LISTENER] = (call, thread)  # closing the block ends the thread
+    ready.wait(_WAIT)
+
+
+def _calls(lifetime: Lifetime, store: Store) -> Store:
+    """The block's connection for short calls, or a new one if it has none (yet)."""
+    conn = vars(lifetime).get(_CALLS)
+    return conn if conn is not None else _connection(store)
 
 
 def stop_listening(lifetime: Lifetime) -> None:
@@ -297,8 +312,9 @@ def stop_listening(lifetime: Lifetime) -> None:
     store = lifetime.exit_records[0]
     call, thread = listener
     with contextlib.suppress(StoreGoneError):
-        bounded(lambda: _connection(store).set(call, "exit"))
+        bounded(lambda: _calls(lifetime, store).set(call, "exit"))
         thread.join(_STORE_TIMEOUT)  # no pdist thread outlives a clean block
+    vars(lifetime).pop(_CALLS, None)  # its connection closes with the block
 
 
 def _answer(conn: Store, call: str, here: str) -> None:
@@ -387,7 +403,7 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     store, prefix = records
 
     def look() -> tuple[list[int], set[int], list[_Left]]:
-        conn = _connection(store)  # one connection for it all (a loaded store is slow)
+        conn = _calls(group.lifetime, store)  # made before the failure (a new one can be slow)
         missing, listening = _roll_call(conn, group, prefix)
         left = _records(conn, prefix, others)
         cited = {r for x in left if not x.primary for r in x.after} - {*others, group.rank}
