@@ -33,6 +33,23 @@ def _install(session: nox.Session, extras: str = "", torch: list[str] = TORCH) -
     session.install("-e", f".[{extras}]" if extras else ".")
 
 
+def _pytest(session: nox.Session) -> None:
+    """The suite: 4 pytest-xdist workers (PDIST_TEST_WORKERS), then the ``serial`` tests alone.
+
+    A multi-rank test spends most of its time waiting (a deadline, a roll call, a peer's
+    start-up), so 4 workers share 2 cores well; the tests marked ``serial`` assert what a
+    rank sees within seconds of a stall or a deadline, and run after the others, one at a
+    time, as a user's job would. Arguments after ``--`` run as given, in one process;
+    PDIST_TEST_WORKERS=0 runs everything in one process.
+    """
+    workers = os.environ.get("PDIST_TEST_WORKERS", "4")
+    if session.posargs or workers == "0":
+        session.run("pytest", *session.posargs)
+        return
+    session.run("pytest", "-n", workers, "-m", "not serial")
+    session.run("pytest", "-m", "serial")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (multi-rank tests on real gloo processes).
@@ -40,14 +57,14 @@ def tests(session: nox.Session) -> None:
     The docs extra too: a test builds the docs strictly (the porting guide's links).
     """
     _install(session, "test,docs")
-    session.run("pytest", *session.posargs)
+    _pytest(session)
 
 
 @nox.session
 def floor(session: nox.Session) -> None:
     """Run the test suite on the oldest torch pdist supports (2.6.0; or PDIST_TORCH_FLOOR's)."""
     _install(session, "test,docs", torch=FLOOR)
-    session.run("pytest", *session.posargs)
+    _pytest(session)
 
 
 @nox.session

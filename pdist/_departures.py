@@ -290,7 +290,7 @@ def _listen(group: Group) -> None:
 
     thread = threading.Thread(target=run, name="pdist-roll-call", daemon=True)
     thread.start()
-    vars(lifetime)[_LISTENER] = (call, thread)  # closing the block ends the thread
+    vars(lifetime)[_LISTENER] = (call, thread, ready)  # closing the block ends the thread
     ready.wait(_WAIT)
 
 
@@ -310,7 +310,10 @@ def stop_listening(lifetime: Lifetime) -> None:
     if lifetime.exit_records is None or lifetime.store_gone or not isinstance(listener, tuple):
         return
     store = lifetime.exit_records[0]
-    call, thread = listener
+    call, thread, ready = listener
+    # A thread still connecting would be inside torch's client as the process exits (an
+    # abort): a late connection is waited for, within two store waits.
+    ready.wait(2 * _WAIT)
     with contextlib.suppress(StoreGoneError):
         bounded(lambda: _calls(lifetime, store).set(call, "exit"))
         thread.join(_STORE_TIMEOUT)  # no pdist thread outlives a clean block

@@ -19,6 +19,8 @@ from test_startup import SRUN
 import pdist
 from pdist.testing import world_sizes
 
+pytestmark = pytest.mark.serial  # stall reports and deadlines, seconds apart: run alone
+
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 TABLE = [

@@ -241,6 +241,7 @@ PP_STALL = """
 """
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(90)
 def test_a_stall_on_the_pp_axis_names_the_pp_group():
     """Rank 0 waits on ctx.pp while rank 2 sleeps: the live report names the pp group."""

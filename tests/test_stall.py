@@ -28,6 +28,8 @@ from pdist._stall import _read_answers
 from pdist._stall_report import format_ranks, format_report, picture, stalled
 from pdist.testing import spawn
 
+pytestmark = pytest.mark.serial  # stall reports and deadlines, seconds apart: run alone
+
 SEES_GLOO = _compat.recorder_sees_gloo()
 FAST = {"PDIST_STALL_ANSWER_SEC": "6"}
 

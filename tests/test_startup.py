@@ -490,6 +490,7 @@ BLOCKS_IN_A_ROW = (
 )
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("world", [2, 3])
 def test_blocks_in_a_row_when_rank0_hosts_the_store(world):
     """20 bare blocks in a row under srun's launch (rank 0 hosts the store) all open and close."""
