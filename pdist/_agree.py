@@ -4,15 +4,18 @@ Every feature that crosses ranks checks locally, then the ranks agree that they
 can go on, then data moves. ``status`` is one small all-gather over the CPU
 group: when a rank failed, every rank raises the same error naming it, so nobody
 is left waiting in the transfer that would have followed; with a summary it
-also compares a digest. ``tell`` and ``hear`` do the same for the two
-ends of a point-to-point transfer. Failures travel as fixed-size marker slots.
+also compares a digest. ``send_status`` and ``recv_status`` do the same for the
+two ends of a point-to-point transfer, and ``exchange_counts`` for an all-to-all of small
+records (counts) that a failure rides on. Once every rank knows that some rank
+failed, ``raise_agreed`` exchanges the failures and raises the same error
+everywhere. Failures travel as fixed-size marker slots.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Mapping
-from typing import NoReturn
+from collections.abc import Hashable, Mapping, Sequence
+from typing import NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -37,15 +40,15 @@ from ._inflight import recorded
 __all__ = [
     "agree",
     "check_same",
+    "exchange_counts",
     "first_failing",
-    "hear",
+    "raise_agreed",
     "raise_marker",
     "raise_own",
     "ranks_by_value",
-    "settle",
-    "spread",
+    "recv_status",
+    "send_status",
     "status",
-    "tell",
 ]
 
 _SLOT = 4096  # bytes per rank of a failure: a framed message's first chunk (``_wire``)
@@ -116,19 +119,11 @@ def status(
     with naming(group, what):
         dist.all_gather(rows, mine, group=group.cpu_group)
     if any(int(r[0]) for r in rows):
-        spread(group, error, what=what)
+        raise_agreed(group, error, what=what)
     return all(int(r[1]) == h for r in rows)
 
 
-def settle(group: Group, error: BaseException | None, *, together: bool, what: str) -> None:
-    """Report ``error`` to every rank when ``together`` (alike on all ranks), else raise it here."""
-    if together:
-        status(group, error, what=what)
-    elif error is not None:
-        raise_own(group, error, what)
-
-
-def spread(group: Group, error: BaseException | None, *, what: str) -> NoReturn:
+def raise_agreed(group: Group, error: BaseException | None, *, what: str) -> NoReturn:
     """Once every rank knows that some rank failed: exchange the failures, raise the first."""
     slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in group.ranks]
     with naming(group, what):
@@ -145,16 +140,16 @@ def raise_own(
     _raise_failure(group, what, group.rank, kind_name(error), str(error), error)
 
 
-def tell(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
-    """Tell group index ``peer`` (in ``hear``) whether this end can go on; raises if not."""
+def send_status(group: Group, peer: int, error: BaseException | None, *, what: str) -> None:
+    """Tell group index ``peer`` (in ``recv_status``) whether this end can go on; raises if not."""
     with naming(group, what):
         _rooted.send_to(_slot(group.rank, error), group.cpu_group, peer)
     if error is not None:
         raise_own(group, error, what, wrap_pdist=True)
 
 
-def hear(group: Group, peer: int, *, what: str) -> None:
-    """Hear from group index ``peer`` (``tell``) whether it could go on; raises if not."""
+def recv_status(group: Group, peer: int, *, what: str) -> None:
+    """Learn from group index ``peer`` (``send_status``) whether it could go on; raises if not."""
     slot = torch.empty(_SLOT, dtype=torch.uint8)
     with naming(group, what):
         _rooted.recv_from(slot, group.cpu_group, peer)
@@ -170,6 +165,39 @@ def agree(group: Group, summary: str | bytes) -> list[str] | None:
     rows = [torch.empty(_SUMMARY, dtype=torch.uint8) for _ in group.ranks]
     dist.all_gather(rows, filled(data[:_SUMMARY], _SUMMARY, what=None), group=group.cpu_group)
     return [bytes_of(r).rstrip(b"\0").decode(errors="replace") for r in rows]
+
+
+def exchange_counts(
+    group: Group,
+    records: Sequence[Sequence[int]] | None,
+    error: BaseException | None,
+    *,
+    width: int,
+    what: str,
+) -> list[list[int]]:
+    """Send ``records[j]`` (``width`` ints) to group index ``j``; get what each rank sent here.
+
+    One ``all_to_all_single`` of int64 over the CPU group. A rank with an
+    ``error`` (``records`` None) sends a marker row instead: then every rank
+    raises that rank's error, the same everywhere. All ranks must pass records
+    of one width (or None with an error).
+    """
+    p = group.world_size
+    if error is not None or records is None:
+        # The marker: a status of -1, as wide as the others' records (the widths agree).
+        send = torch.full((p, width + 1), -1, dtype=torch.int64)
+    else:
+        send = torch.tensor([[0, *r] for r in records], dtype=torch.int64).view(p, width + 1)
+    if p == 1:
+        if error is not None:
+            raise_own(group, error, what, wrap_pdist=True)
+        return [list(r) for r in records] if records is not None else []
+    recv = torch.empty_like(send)
+    with naming(group, what):  # a peer gone here is named
+        dist.all_to_all_single(recv, send, group=group.cpu_group)
+    if bool((recv[:, 0] < 0).any()):
+        raise_agreed(group, error, what=what)  # every rank raises the first failing rank's error
+    return cast("list[list[int]]", recv[:, 1:].tolist())
 
 
 def ranks_by_value(values: Mapping[int, Hashable], *, value_first: bool = True) -> str:

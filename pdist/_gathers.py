@@ -157,7 +157,10 @@ def _agreed(g: Group, make: Callable[[], _Plan], *, together: bool, what: str) -
         plan = make()
     except Exception as exc:
         failure = exc
-    _agree.settle(g, failure, together=together, what=what)
+    if together:
+        _agree.status(g, failure, what=what)
+    elif failure is not None:
+        _agree.raise_own(g, failure, what)
     return plan
 
 
@@ -231,7 +234,7 @@ def _gather_bodies(
         dist.all_gather(rows, mine, group=g.cpu_group)
     records = [r.tolist() for r in rows]
     if any(rec[0] for rec in records):
-        _agree.spread(g, error, what=what)
+        _agree.raise_agreed(g, error, what=what)
     if any(min(rec[1:]) < 0 or rec[1] == 0 for rec in records):
         msg = f"{what} on group {g.name!r}: a rank sent a corrupt size record {records}"
         raise PdistError(msg)

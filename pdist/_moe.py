@@ -17,9 +17,10 @@ import attrs
 import torch
 
 from . import _check
+from ._agree import exchange_counts
 from ._errors import RankMismatchError
 from ._group import DistContext, Group, as_group
-from ._uneven import any_grad, exchange, grad_flag, rows
+from ._uneven import any_grad, grad_flag, rows
 
 __all__ = ["Counts", "Routed", "moe_combine", "moe_dispatch"]
 
@@ -195,7 +196,7 @@ def moe_dispatch(
     _check.agree_args(g, "moe_dispatch", rows_of, error, num_experts=num_experts)
     width = _record_width(num_experts, p)
     if error is not None:
-        exchange(g, None, error, width=width, what="moe_dispatch")  # raises on every rank
+        exchange_counts(g, None, error, width=width, what="moe_dispatch")  # raises on every rank
     local = num_experts // p
     t, k = expert_ids.shape
     flat = expert_ids.reshape(-1).long()  # [T*K]
@@ -203,7 +204,7 @@ def moe_dispatch(
     per_expert = torch.bincount(flat, minlength=num_experts).view(p, local).tolist()
     flag = grad_flag(tokens)  # a peer's need for a gradient rides with the counts
     records = [[num_experts, flag, *c, *[0] * (width - 2 - local)] for c in per_expert]
-    got = exchange(g, records, None, width=width, what="moe_dispatch")  # [P, width]
+    got = exchange_counts(g, records, None, width=width, what="moe_dispatch")  # [P, width]
     _same_num_experts(g, [r[0] for r in got])
     grad = any_grad(g, [r[1] for r in got], "moe_dispatch")
     got = [r[2 : 2 + local] for r in got]  # [P, local]

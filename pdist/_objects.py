@@ -75,7 +75,10 @@ def _broadcast(
             buffers = _payload.receive_buffers(decoded, group.device)
         except Exception as exc:
             failure = exc
-    _agree.settle(group, failure, together=count > 0, what=what)
+    if count > 0:  # buckets follow: every rank learns whether every rank can take them
+        _agree.status(group, failure, what=what)
+    elif failure is not None:
+        _agree.raise_own(group, failure, what)
     assert decoded is not None  # set whenever no failure was raised
     if not decoded.buckets and not decoded.specs:  # a skeleton alone (most small objects)
         return loads(decoded.skeleton, [], [], safe=safe)  # type: ignore[arg-type]

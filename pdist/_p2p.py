@@ -1,7 +1,7 @@
 """Point-to-point objects and tensor dicts: header, the receiver's answer, then buckets.
 
 The sender packs every bucket before the header, so that its failure travels in
-it; the receiver answers the header (``_agree.tell``) before any bucket moves, so
+it; the receiver answers the header (``_agree.send_status``) before any bucket moves, so
 that its failure to decode or allocate reaches the sender instead of leaving it waiting.
 """
 
@@ -80,7 +80,7 @@ def _send_payload(
     _wire.send_bytes(g, encoded.body, peer, what=what)
     if not encoded.buckets:
         return
-    _agree.hear(g, peer, what=what)  # the receiver's status: raises if it failed
+    _agree.recv_status(g, peer, what=what)  # the receiver's status: raises if it failed
     works: list[Any] = [
         _rooted.isend_to(_part(flat, split).contiguous(), g.transport(b.kind), peer)
         for b, flat in zip(encoded.buckets, packed, strict=True)
@@ -124,7 +124,7 @@ def _recv_payload(
     if stage is not None:
         error = _agree_split(stage, decoded, error, what)
     if count > 0:  # the sender waits for this rank's answer only when buckets follow
-        _agree.tell(g, peer, error, what=what)
+        _agree.send_status(g, peer, error, what=what)
     elif error is not None:
         _agree.raise_own(g, error, what)
     assert decoded is not None

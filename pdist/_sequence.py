@@ -19,10 +19,11 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
+from ._agree import exchange_counts
 from ._errors import RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._serialize import DTYPES, dtype_name
-from ._uneven import exchange, rows
+from ._uneven import rows
 
 __all__ = ["ulysses_attention"]
 
@@ -117,7 +118,7 @@ def _plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) 
         record = _check(layout, dims, *qkv)
     except ValueError as e:
         error = e
-    got = exchange(
+    got = exchange_counts(
         g, None if error else [record] * g.world_size, error, width=7, what="ulysses_attention"
     )
     shapes = {tuple(r[1:]) for r in got}

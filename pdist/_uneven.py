@@ -6,11 +6,11 @@ gradient is the all-to-all with the counts swapped), runs eagerly straight on
 uneven ``all_gather`` / ``reduce_scatter`` are compositions of it whose
 gradients autograd derives (a gather's is the scatter and back).
 
-``exchange`` is the one small collective that moves counts, and it carries
-failures: a rank whose arguments are bad sends a marker instead of counts, and
-every rank raises the same error (``_agree.spread``), so a caller's mistake on
-one rank never leaves the others waiting in the data exchange that follows.
-``_moe`` and ``_sequence`` ride their own checks on it.
+The counts travel in ``_agree.exchange_counts``, which carries failures: a rank
+whose arguments are bad sends a marker instead of counts, and every rank raises
+the same error, so a caller's mistake on one rank never leaves the others waiting
+in the data exchange that follows. ``_moe`` and ``_sequence`` ride their own
+checks on it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _check
-from ._agree import check_same, raise_own, spread
+from ._agree import check_same, exchange_counts
 from ._compat import functional_ops
 from ._errors import RankMismatchError
 from ._group import DistContext, Group, as_group
@@ -33,44 +33,10 @@ __all__ = [
     "all_gather_sizes",
     "all_to_all",
     "any_grad",
-    "exchange",
     "grad_flag",
     "reduce_scatter_sizes",
     "rows",
 ]
-
-
-def exchange(
-    group: Group,
-    records: Sequence[Sequence[int]] | None,
-    error: BaseException | None,
-    *,
-    width: int,
-    what: str,
-) -> list[list[int]]:
-    """Send ``records[j]`` (``width`` ints) to group index ``j``; get what each rank sent here.
-
-    One ``all_to_all_single`` of int64 over the CPU group. A rank with an
-    ``error`` (``records`` None) sends a marker row instead: then every rank
-    raises that rank's error, the same everywhere. All ranks must pass records
-    of one width (or None with an error).
-    """
-    p = group.world_size
-    if error is not None or records is None:
-        # The marker: a status of -1, as wide as the others' records (the widths agree).
-        send = torch.full((p, width + 1), -1, dtype=torch.int64)
-    else:
-        send = torch.tensor([[0, *r] for r in records], dtype=torch.int64).view(p, width + 1)
-    if p == 1:
-        if error is not None:
-            raise_own(group, error, what, wrap_pdist=True)
-        return [list(r) for r in records] if records is not None else []
-    recv = torch.empty_like(send)
-    with _check.explaining(group, what, counted=False):  # a peer gone here is named
-        dist.all_to_all_single(recv, send, group=group.cpu_group)
-    if bool((recv[:, 0] < 0).any()):
-        spread(group, error, what=what)  # every rank raises the first failing rank's error
-    return cast("list[list[int]]", recv[:, 1:].tolist())
 
 
 def _counts(group: Group, value: object, name: str) -> list[int]:
@@ -200,7 +166,7 @@ def all_to_all(
     grad = False
     if exchanged:  # the need for a gradient rides with the counts
         records = None if error else [[c, grad_flag(x)] for c in send]
-        got = exchange(g, records, error, width=2, what="all_to_all")
+        got = exchange_counts(g, records, error, width=2, what="all_to_all")
         recv = [r[0] for r in got]
         grad = any_grad(g, [r[1] for r in got], "all_to_all")
     elif error is not None:
@@ -228,7 +194,9 @@ def _arguments(
 
 def _verify(group: Group, send: list[int], recv: list[int]) -> None:
     """Check mode: the vouched ``recv`` are what the ranks send here, or every rank raises."""
-    got = [r[0] for r in exchange(group, [[c] for c in send], None, width=1, what="all_to_all")]
+    got = [
+        r[0] for r in exchange_counts(group, [[c] for c in send], None, width=1, what="all_to_all")
+    ]
     me = group.rank_in_group
     summary = "recv_counts match the senders' send_counts"
     if got != recv:

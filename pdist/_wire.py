@@ -151,7 +151,7 @@ def send_bytes(
     group.global_rank(dst, name="dst")
     move = _named(group, what, _rooted.send_to, pg=group.cpu_group, index=dst)
     message = frame(payload, error, group.rank)
-    _send(message, group, move, lambda: _agree.hear(group, dst, what=what), what)
+    _send(message, group, move, lambda: _agree.recv_status(group, dst, what=what), what)
     unframe(message, group, what, own=error)
 
 
@@ -160,7 +160,9 @@ def recv_bytes(group: Group, src: int, *, what: str) -> bytes:
     """Receive what group index ``src`` sent with ``send_bytes``."""
     group.global_rank(src)
     move = _named(group, what, _rooted.recv_from, pg=group.cpu_group, index=src)
-    data = _receive(group, move, lambda failure: _agree.tell(group, src, failure, what=what), what)
+    data = _receive(
+        group, move, lambda failure: _agree.send_status(group, src, failure, what=what), what
+    )
     return unframe(data, group, what)
 
 

@@ -349,7 +349,7 @@ def _announce(ctx, path: str, length: int) -> None:
     if length < 0:
         return  # refused on sight
     if path == "recv_object":
-        _refused(lambda: _agree.hear(world, 1, what="attack"))  # the victim's status reply
+        _refused(lambda: _agree.recv_status(world, 1, what="attack"))  # the victim's status reply
     else:
         _refused(lambda: _agree.status(world, None, what="attack"))
 
