@@ -9,21 +9,18 @@ own, so that one large rank does not make every rank allocate W times its bytes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from . import _agree, _check, _payload, _rooted, _wire
-from ._buffers import ALIGN, allocate, bytes_of, filled, offsets
-from ._compat import all_gather_into
-from ._departures import naming, wait_all
+from . import _check, _payload, _transfer, _wire
+from ._buffers import ALIGN
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
 from ._objects import DEFAULT_MIN_TENSOR_BYTES
-from ._payload import KINDS, Decoded, Encoded
+from ._payload import Decoded, Encoded
 from ._serialize import Safe, loads, safe_or_error
+from ._transfer import KINDS, Regions, transport_device
 
 __all__ = ["all_gather_object", "gather_object"]
 
@@ -68,62 +65,22 @@ def _sizes(encoded: Encoded | Decoded | None) -> list[int]:
     return [sum(b.nbytes for b in buckets if b.kind == kind) for kind in KINDS]
 
 
-class _Regions:
-    """Receive memory for one transport of a gather: one region per rank, in one allocation.
-
-    ``even``: every region is a row of the largest size, moved by one collective.
-    """
-
-    def __init__(self, sizes: list[int], device: torch.device, *, receiving: bool) -> None:
-        self.sizes, self.top = sizes, max(sizes)
-        self.even = 2 * sum(sizes) >= len(sizes) * self.top
-        if self.even:
-            self.starts, total = [r * self.top for r in range(len(sizes))], self.top * len(sizes)
-        else:
-            self.starts, total = offsets(sizes)
-        self.device, size = device, total if receiving else 0
-        self.out = allocate(size, device, what="the gathered tensors")
-
-    def region(self, r: int) -> torch.Tensor:
-        return self.out[self.starts[r] : self.starts[r] + self.sizes[r]]
-
-    def row(self, r: int) -> torch.Tensor:
-        return self.out[self.starts[r] : self.starts[r] + self.top]
-
-    def send(self, me: int, encoded: Encoded | None, bucket: int | None) -> torch.Tensor:
-        """This rank's bytes to send: in its own region, a row-sized buffer, or a lone tensor."""
-        size, length = self.sizes[me], self.top if self.even else self.sizes[me]
-        # A lone tensor travels in place, except where its region is what moves: an uneven
-        # gather's receiving rank sends from that region and rebuilds its own entry from it.
-        in_place = size == length and (self.even or not self.out.numel())
-        if bucket is not None and encoded is not None and in_place and encoded.lone(bucket):
-            return encoded.pack(bucket)
-        if self.out.numel():  # a receiving rank rebuilds its own entry from its region
-            flat = self.row(me) if self.even else self.region(me)
-        else:
-            flat = allocate(length, self.device, what="a gather")
-        if bucket is not None and encoded is not None:
-            encoded.fills[bucket].pack(flat[:size])
-        flat[size:].zero_()
-        return flat
-
-
-class _Plan(NamedTuple):
+class _Layout(NamedTuple):
     """Every rank's decoded body, the regions per transport, views of them, this rank's sends."""
 
     decodeds: list[Decoded]
-    regions: dict[str, _Regions]
+    regions: dict[str, Regions]
     views: list[list[torch.Tensor]]
     sends: dict[str, torch.Tensor]
 
 
-def _plan(
+def _lay_out(
     g: Group,
     bodies: list[bytes],
     sizes: list[list[int]] | None,
     encoded: Encoded | None,
     receiving: bool,
-) -> _Plan:
+) -> _Layout:
     """Decode ``bodies`` (each matching its rank's ``sizes`` record), and lay out the regions."""
     decodeds = []
     for r, body in enumerate(bodies):
@@ -134,9 +91,7 @@ def _plan(
         decodeds.append(decoded)
     sizes = [_sizes(d) for d in decodeds] if sizes is None else sizes
     regions = {
-        kind: _Regions(
-            [s[k] for s in sizes], _payload.transport_device(kind, g.device), receiving=receiving
-        )
+        kind: Regions([s[k] for s in sizes], transport_device(kind, g.device), receiving=receiving)
         for k, kind in enumerate(KINDS)
         if max(s[k] for s in sizes)
     }
@@ -144,31 +99,20 @@ def _plan(
         _payload.tensors_of(d, [regions[b.kind].region(r) for b in d.buckets], g.device)
         for r, d in enumerate(decodeds)
     ]
-    me = g.rank_in_group
-    bucket_of = {b.kind: i for i, b in enumerate([] if encoded is None else encoded.buckets)}
-    sends = {kind: reg.send(me, encoded, bucket_of.get(kind)) for kind, reg in regions.items()}
-    return _Plan(decodeds, regions, views, sends)
+    me, buckets = g.rank_in_group, [] if encoded is None else encoded.buckets
+    sends = {}
+    for kind, reg in regions.items():
+        i = next((i for i, b in enumerate(buckets) if b.kind == kind), None)
+        fill = None if i is None or encoded is None else encoded.fills[i]
+        sends[kind] = reg.send(me, fill, i is not None and encoded is not None and encoded.lone(i))
+    return _Layout(decodeds, regions, views, sends)
 
 
-def _agreed(g: Group, make: Callable[[], _Plan], *, together: bool, what: str) -> _Plan:
-    """``make()``, then every rank learns whether every rank could (``together``: data follows)."""
-    plan, failure = _Plan([], {}, [], {}), None
-    try:
-        plan = make()
-    except Exception as exc:
-        failure = exc
-    if together:
-        _agree.status(g, failure, what=what)
-    elif failure is not None:
-        _agree.raise_own(g, failure, what)
-    return plan
-
-
-def _rebuilt(g: Group, plan: _Plan, safe: Safe) -> list[Any]:
+def _rebuilt(g: Group, layout: _Layout, safe: Safe) -> list[Any]:
     me = g.rank_in_group
     return [
         loads(d.skeleton, v, d.storage, safe=False if r == me else safe)
-        for r, (d, v) in enumerate(zip(plan.decodeds, plan.views, strict=True))
+        for r, (d, v) in enumerate(zip(layout.decodeds, layout.views, strict=True))
     ]
 
 
@@ -205,52 +149,10 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
     counts = [
         _payload.bucket_count(b, source=f"rank {r}") for b, r in zip(bodies, g.ranks, strict=True)
     ]
-    plan = _agreed(
-        g, lambda: _plan(g, bodies, None, encoded, True), together=any(counts), what=what
-    )
-    works = []
-    for kind, reg in plan.regions.items():
-        pg = g.transport(kind)
-        if reg.even:
-            works.append(all_gather_into(reg.out, plan.sends[kind], pg, async_op=True))
-            continue
-        works += [
-            _rooted.broadcast_from(reg.region(r), pg, r, async_op=True)
-            for r, size in enumerate(reg.sizes)
-            if size
-        ]
-    wait_all(g, works, what)
-    return _rebuilt(g, plan, safe)
-
-
-def _gather_bodies(
-    g: Group, encoded: Encoded | None, error: BaseException | None, dst_global: int, what: str
-) -> tuple[list[list[int]], list[bytes]]:
-    """Every rank's size record (failed, body length, bytes per transport), every body on dst."""
-    body = b"" if encoded is None else encoded.body
-    mine = torch.tensor([int(error is not None), len(body), *_sizes(encoded)], dtype=torch.int64)
-    rows = [torch.empty(4, dtype=torch.int64) for _ in g.ranks]
-    with naming(g, what):
-        dist.all_gather(rows, mine, group=g.cpu_group)
-    records = [r.tolist() for r in rows]
-    if any(rec[0] for rec in records):
-        _agree.raise_agreed(g, error, what=what)
-    if any(min(rec[1:]) < 0 or rec[1] == 0 for rec in records):
-        msg = f"{what} on group {g.name!r}: a rank sent a corrupt size record {records}"
-        raise PdistError(msg)
-    longest, is_dst = max(rec[1] for rec in records), g.rank == dst_global
-    buffers = _wire.reserve(
-        lambda: [
-            filled(body, longest, what=what),
-            *([allocate(longest, what=what) for _ in g.ranks] if is_dst else []),
-        ],
-        longest,
-        lambda failure: _agree.status(g, failure, what=what),
-    )
-    dst = g.ranks.index(dst_global)
-    with naming(g, what):
-        _rooted.gather_to(buffers[0], buffers[1:] if is_dst else None, g.cpu_group, dst)
-    return records, [bytes_of(out, rec[1]) for out, rec in zip(buffers[1:], records, strict=False)]
+    make = functools.partial(_lay_out, g, bodies, None, encoded, True)
+    layout, _ = _transfer.prepare(g, make, together=any(counts), what=what)
+    _transfer.all_gather(g, layout.regions, layout.sends, what=what)
+    return _rebuilt(g, layout, safe)
 
 
 def gather_object(
@@ -279,28 +181,14 @@ def gather_object(
     g = as_group(group)
     what = "gather_object"
     _check.agree_name(g, what, dst=dst)
-    dst_global = g.global_rank(dst, name="dst")
+    g.global_rank(dst, name="dst")
     safe, encoded, error = _encode_own(g, obj, safe)
     if g.world_size == 1:
         return _alone(g, encoded, error)
-    records, bodies = _gather_bodies(g, encoded, error, dst_global, what)
+    body = None if encoded is None else encoded.body
+    sizes, bodies = _wire.gather_bytes(g, body, dst, error=error, record=_sizes(encoded), what=what)
     is_dst = g.rank_in_group == dst
-    sizes = [rec[2:] for rec in records]
-    make = functools.partial(_plan, g, bodies, sizes, encoded, is_dst)
-    plan = _agreed(g, make, together=any(any(s) for s in sizes), what=what)
-    works: list[Any] = []
-    for kind, reg in plan.regions.items():
-        pg = g.transport(kind)
-        if reg.even:
-            rows = [reg.row(r) for r in range(g.world_size)] if is_dst else None
-            works.append(_rooted.gather_to(plan.sends[kind], rows, pg, dst, async_op=True))
-        elif is_dst:
-            works += [
-                _rooted.irecv_from(reg.region(r), pg, r)
-                for r, size in enumerate(reg.sizes)
-                if size and r != g.rank_in_group
-            ]
-        elif reg.sizes[g.rank_in_group]:
-            works.append(_rooted.isend_to(plan.sends[kind], pg, dst))
-    wait_all(g, works, what)
-    return _rebuilt(g, plan, safe) if is_dst else None
+    make = functools.partial(_lay_out, g, bodies, sizes, encoded, is_dst)
+    layout, _ = _transfer.prepare(g, make, together=any(any(s) for s in sizes), what=what)
+    _transfer.gather(g, layout.regions, layout.sends, dst, what=what)
+    return _rebuilt(g, layout, safe) if is_dst else None

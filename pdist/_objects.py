@@ -11,12 +11,12 @@ every rank instead of leaving the others in a transfer.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from . import _agree, _check, _payload, _rooted, _wire
+from . import _check, _payload, _transfer, _wire
 from ._departures import wait_all
 from ._errors import PdistError
 from ._group import DistContext, Group, as_group
@@ -68,21 +68,21 @@ def _broadcast(
     body = header(group, None, src, what=what)
     source = f"rank {group.ranks[src]} (the source of {what})"
     count = _payload.bucket_count(body, source=source)
-    failure, decoded, buffers = error, None, []
-    if failure is None:
-        try:
-            decoded = _payload.decode(body, source=source)
-            buffers = _payload.receive_buffers(decoded, group.device)
-        except Exception as exc:
-            failure = exc
-    if count > 0:  # buckets follow: every rank learns whether every rank can take them
-        _agree.status(group, failure, what=what)
-    elif failure is not None:
-        _agree.raise_own(group, failure, what)
-    assert decoded is not None  # set whenever no failure was raised
+
+    def receive() -> tuple[_payload.Decoded, list[torch.Tensor]]:
+        decoded = _payload.decode(body, source=source)
+        return decoded, _payload.receive_buffers(decoded, group.device)
+
+    # Buckets follow: every rank learns whether every rank can take them.
+    (decoded, buffers), _ = _transfer.prepare(
+        group, receive, error=error, together=count > 0, what=what
+    )
     if not decoded.buckets and not decoded.specs:  # a skeleton alone (most small objects)
         return loads(decoded.skeleton, [], [], safe=safe)  # type: ignore[arg-type]
-    works = _broadcasts(group, src, decoded.buckets, buffers)
+    kinds = [b.kind for b in decoded.buckets]
+    works = _transfer.broadcast(
+        group, list(zip(kinds, buffers, strict=True)), src, what=what, wait=False
+    )
     # The views are made while the buckets fill (a corrupt layout raises once they have);
     # unpickling waits for the data, since a leaf's __setstate__ may read its tensors.
     try:
@@ -91,18 +91,6 @@ def _broadcast(
         wait_all(group, works, what)
     tensors = _payload.owned(decoded, tensors)  # filled: a small one leaves its slab
     return loads(decoded.skeleton, tensors, decoded.storage, safe=safe)  # type: ignore[arg-type]
-
-
-def _broadcasts(
-    group: Group,
-    src: int,
-    buckets: Sequence[_payload.Bucket | _payload.Fill],
-    data: Sequence[torch.Tensor],
-) -> list[Any]:
-    return [
-        _rooted.broadcast_from(flat, group.transport(b.kind), src, async_op=True)
-        for b, flat in zip(buckets, data, strict=True)
-    ]
 
 
 def _broadcast_out(
@@ -127,18 +115,9 @@ def _broadcast_out(
     header(group, encoded.body, src, what=what)
     if not encoded.buckets:
         return obj
-    packed, failure = pack_all(encoded)
-    _agree.status(group, failure, what=what)
-    wait_all(group, _broadcasts(group, src, encoded.buckets, packed), what)
+    packed, _ = _transfer.prepare(group, encoded.pack_all, what=what)
+    _transfer.broadcast(group, list(zip(encoded.kinds, packed, strict=True)), src, what=what)
     return obj
-
-
-def pack_all(encoded: _payload.Encoded) -> tuple[list[torch.Tensor], BaseException | None]:
-    """Every bucket of ``encoded`` packed (its staging is the source's own), or the failure."""
-    try:
-        return [encoded.pack(i) for i in range(len(encoded.buckets))], None
-    except Exception as exc:
-        return [], exc
 
 
 def broadcast_object(

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from . import _agree, _check, _rooted, _wire
+from . import _agree, _check, _transfer, _wire
 from ._buffers import ALIGN
 from ._compat import all_gather_into
-from ._departures import naming, wait_all
+from ._departures import wait_all
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._objects import DEFAULT_BUCKET_BYTES, DEFAULT_MIN_TENSOR_BYTES, check_tensor_dict
@@ -73,7 +73,7 @@ def _send_payload(
             split=parts,
             part=0 if split is None else split.rank_in_group,
         )
-        packed = [encoded.pack(i) for i in range(len(encoded.buckets))]  # a failure travels
+        packed = encoded.pack_all()  # a failure travels in the header
     except Exception as exc:
         _wire.send_bytes(g, None, peer, error=exc, what=what)
         raise  # unreachable: send_bytes raised
@@ -81,11 +81,8 @@ def _send_payload(
     if not encoded.buckets:
         return
     _agree.recv_status(g, peer, what=what)  # the receiver's status: raises if it failed
-    works: list[Any] = [
-        _rooted.isend_to(_part(flat, split).contiguous(), g.transport(b.kind), peer)
-        for b, flat in zip(encoded.buckets, packed, strict=True)
-    ]
-    wait_all(g, works, what)
+    pieces = [_part(flat, split).contiguous() for flat in packed]
+    _transfer.send(g, list(zip(encoded.kinds, pieces, strict=True)), peer, what=what)
 
 
 def _recv_payload(
@@ -110,31 +107,33 @@ def _recv_payload(
         if stage is not None:  # the other receivers of the stage raise too
             _agree_split(stage, None, error or exc, what)
         raise
-    decoded: Decoded | None = None
-    buffers: list[torch.Tensor] = []
-    tensors: list[torch.Tensor] = []
+
+    def receive() -> tuple[Decoded, list[torch.Tensor], list[torch.Tensor]]:
+        decoded = decode(body, source=source)
+        _check_part(g, peer, decoded, stage)
+        buffers = receive_buffers(decoded, g.device)
+        return decoded, buffers, tensors_of(decoded, buffers, g.device)
+
+    made: tuple[Decoded, list[torch.Tensor], list[torch.Tensor]] | None = None
     if error is None:
         try:
-            decoded = decode(body, source=source)
-            _check_part(g, peer, decoded, stage)
-            buffers = receive_buffers(decoded, g.device)
-            tensors = tensors_of(decoded, buffers, g.device)
+            made = receive()
         except Exception as exc:
             error = exc
     if stage is not None:
-        error = _agree_split(stage, decoded, error, what)
-    if count > 0:  # the sender waits for this rank's answer only when buckets follow
-        _agree.send_status(g, peer, error, what=what)
-    elif error is not None:
-        _agree.raise_own(g, error, what)
-    assert decoded is not None
-    for bucket, data in zip(decoded.buckets, buffers, strict=True):
-        part = _part(data, split)
-        with naming(g, what):
-            _rooted.recv_from(part, g.transport(bucket.kind), peer)
-        if stage is not None:
-            with naming(stage, what):
-                all_gather_into(data, part, stage.transport(bucket.kind))
+        error = _agree_split(stage, None if made is None else made[0], error, what)
+    # The sender waits for this rank's answer only when buckets follow.
+    _transfer.prepare(g, lambda: None, error=error, together=count > 0, peer=peer, what=what)
+    assert made is not None
+    decoded, buffers, tensors = made
+    parts = [(b.kind, _part(data, split)) for b, data in zip(decoded.buckets, buffers, strict=True)]
+    _transfer.recv(g, parts, peer, what=what)
+    if stage is not None:
+        works = [
+            all_gather_into(data, part, stage.transport(kind), async_op=True)
+            for (kind, part), data in zip(parts, buffers, strict=True)
+        ]
+        wait_all(stage, works, what)
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)
 
 

@@ -18,31 +18,25 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
-from . import _plain, _seams
-from ._buffers import ALIGN, aligned, bytes_of, resolved, slab, tensor_bytes
+from . import _plain
+from ._buffers import ALIGN, bytes_of, tensor_bytes
 from ._errors import PdistError
 from ._serialize import DTYPES, TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
+from ._transfer import KINDS, Fill, Staging, fills, kind_of, plan, slabs, staging, transport_device
 
 __all__ = [
     "KEEP_FACTOR",
-    "KINDS",
     "Bucket",
     "Decoded",
     "Encoded",
-    "Fill",
     "bucket_count",
     "decode",
     "encode",
     "materialize",
     "owned",
-    "place",
     "receive_buffers",
-    "staging",
     "tensors_of",
-    "transport_device",
 ]
-
-KINDS = ("cpu", "device")  # bytes over the CPU group, or the device group on its device
 
 GRAD, PARAM, DEVICE, STORAGE = 1, 2, 4, 8  # header flags
 _PREFIX = struct.Struct("<4sII")  # magic, header length, bucket count
@@ -80,137 +74,6 @@ class Bucket(NamedTuple):
     nbytes: int
 
 
-def transport_device(kind: str, device: torch.device) -> torch.device:
-    """Where a transport kind's bytes live: the CPU for ``"cpu"``, else the group's ``device``."""
-    return torch.device("cpu") if kind == "cpu" else device
-
-
-def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return (flat if t.dtype == torch.uint8 else flat.view(t.dtype)).view(t.shape)
-
-
-# Dtypes a bucket of one of them is packed in, with one C++ call and no per-tensor view
-_CAT_DTYPES = frozenset(
-    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32}
-    | {torch.int16, torch.int8, torch.uint8, torch.bool}
-)
-
-
-@attrs.define
-class Fill:
-    """Tensors (as sent) of ``targets`` at aligned offsets in one bucket, packed on demand.
-
-    A tensor off the bucket's ``device`` is never lone: it is copied there when packed.
-    ``dtype``: the dtype of every tensor while they are contiguous on ``device`` and end
-    on ``ALIGN`` bytes, so that they pack with one concatenation (else None).
-    """
-
-    kind: str
-    device: torch.device
-    index: int
-    tensors: list[torch.Tensor] = attrs.field(factory=list)
-    targets: list[torch.Tensor] = attrs.field(factory=list)
-    aliased: list[bool] = attrs.field(factory=list)
-    offsets: list[int] = attrs.field(factory=list)
-    size: int = 0
-    dtype: torch.dtype | None = None
-
-    def lone(self, total: int, *, receiving: bool = False) -> bool:
-        """Whether the bucket is one contiguous tensor travelling in place (no staging copy)."""
-        return (
-            len(self.tensors) == 1
-            and total == self.size
-            and self.tensors[0].is_contiguous()
-            and self.tensors[0].device == self.device
-            and (self.aliased[0] or not receiving)
-        )
-
-    def pack(self, flat: torch.Tensor | None) -> torch.Tensor:
-        """The bucket packed into ``flat`` (zero-padded past the tensors); None: a lone tensor."""
-        _seams.packing(self.index)
-        if flat is None:
-            return tensor_bytes(self.tensors[0])
-        if self.dtype is not None:  # the offsets are contiguous: one copy in C++
-            out = flat[: self.size]
-            with torch.no_grad():
-                if self.dtype in _CAT_DTYPES:
-                    parts = [t if t.dim() == 1 else t.view(-1) for t in self.tensors]
-                    torch.cat(parts, out=out.view(self.dtype))
-                else:
-                    torch.cat([tensor_bytes(t) for t in self.tensors], out=out)
-            flat[self.size :].zero_()
-            return flat
-        flat.zero_()  # the padding between parts
-        for t, offset in zip(self.tensors, self.offsets, strict=True):
-            # (.to first: a lazy or functional tensor cannot be copied into a CPU view)
-            _typed(flat[offset : offset + t.nbytes], t).copy_(t.detach().to(flat.device))
-        return flat
-
-    def receive_buffer(self, flat: torch.Tensor | None) -> torch.Tensor:
-        """Where to receive this bucket: ``flat``, or the lone tensor itself when it is None."""
-        return tensor_bytes(self.tensors[0]) if flat is None else flat
-
-    def unpack(self, buffer: torch.Tensor) -> None:
-        """Copy a received bucket into the targets (not needed for a lone aliased tensor)."""
-        for t, offset in zip(self.targets, self.offsets, strict=True):
-            t.detach().copy_(_typed(buffer[offset : offset + t.nbytes], t))
-
-
-def place(
-    fills: list[Fill], t: torch.Tensor, device: torch.device, bucket_bytes: int
-) -> tuple[int, int]:
-    """Put ``t`` into the open bucket of its transport: ``(bucket index, byte offset)``."""
-    alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
-    data = t if alias else resolved(t)
-    cpu, nbytes, dtype = data.is_cpu, data.nbytes, data.dtype
-    kind = "cpu" if cpu or device.type == "cpu" else "device"
-    index = len(fills) - 1
-    while index >= 0 and fills[index].kind != kind:  # the kind's open bucket is its last
-        index -= 1
-    offset = aligned(fills[index].size) if index >= 0 else 0
-    if index < 0 or offset + nbytes > bucket_bytes:
-        index, offset = len(fills), 0
-        fills.append(Fill(kind, transport_device(kind, device), index, dtype=dtype))
-    fill = fills[index]
-    here = cpu if kind == "cpu" else data.device == fill.device
-    if fill.dtype is not None and not (
-        here and nbytes % ALIGN == 0 and dtype == fill.dtype and data.is_contiguous()
-    ):
-        fill.dtype = None
-    fill.tensors.append(data)
-    fill.targets.append(t)
-    fill.aliased.append(alias)
-    fill.offsets.append(offset)
-    fill.size = offset + nbytes
-    return index, offset
-
-
-Staging = list[torch.Tensor | None]  # buffers of buckets (None: a lone tensor's own memory)
-
-
-def _slabs(
-    places: Sequence[tuple[str, torch.device] | None], sizes: Sequence[int], what: str
-) -> Staging:
-    """Fresh buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind."""
-    out: Staging = [None] * len(sizes)
-    for kind in KINDS:
-        members = [(i, p[1]) for i, p in enumerate(places) if p is not None and p[0] == kind]
-        if members:
-            _, flats = slab([sizes[i] for i, _ in members], members[0][1], what=what)
-            for (i, _), flat in zip(members, flats, strict=True):
-                out[i] = flat
-    return out
-
-
-def staging(fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False) -> Staging:
-    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's."""
-    places = [
-        None if f.lone(n, receiving=receiving) else (f.kind, f.device)
-        for f, n in zip(fills, sizes, strict=True)
-    ]
-    return _slabs(places, sizes, "staging")
-
-
 @attrs.define
 class Encoded:
     """A message body and the buckets that follow it; the send buffers are staged on first use."""
@@ -232,6 +95,15 @@ class Encoded:
     def pack(self, index: int) -> torch.Tensor:
         """The flat uint8 buffer of bucket ``index``, packed."""
         return self.fills[index].pack(self._staged()[index])
+
+    def pack_all(self) -> list[torch.Tensor]:
+        """Every bucket packed (its staging is the sender's own)."""
+        return [self.pack(i) for i in range(len(self.buckets))]
+
+    @property
+    def kinds(self) -> list[str]:
+        """The transport kind of each bucket."""
+        return [b.kind for b in self.buckets]
 
 
 def encode(
@@ -255,7 +127,7 @@ def encode(
     records: list[list[Any]] = []
     inline: list[bytes] = []
     inline_size = 0
-    fills: list[Fill] = []
+    bucketed: list[torch.Tensor] = []
     for t, is_storage in entries:
         flags = (
             (GRAD if t.requires_grad else 0)
@@ -264,21 +136,29 @@ def encode(
             | (STORAGE if is_storage else 0)
         )
         nbytes = t.nbytes
-        if min_tensor_bytes is None or nbytes < min_tensor_bytes:
+        if min_tensor_bytes is None or nbytes < min_tensor_bytes or nbytes == 0:
             inline.append(bytes_of(tensor_bytes(t).cpu()))
             bucket, offset = -1, inline_size
             inline_size += nbytes
         else:
-            bucket, offset = place(fills, t, device, bucket_bytes)
+            bucket, offset = len(bucketed), -1  # placed by the plan below
+            bucketed.append(t)
         code = dtypes.setdefault(t.dtype, len(dtypes))
         records.append([code, flags, bucket, offset, t.shape])  # a tuple: JSON writes a list
-    buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills]
+    kinds = [kind_of(t, device) for t in bucketed]
+    planned = plan([t.nbytes for t in bucketed], bucket_bytes, kinds=kinds)
+    where = {p.tensor: (b, p.offset) for b, bucket in enumerate(planned) for p in bucket.parts}
+    for r in records:
+        if r[3] < 0:
+            r[2], r[3] = where[r[2]]
+    fills_ = fills(planned, bucketed, device)
+    buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills_]
     names = [dtype_name(d) for d in dtypes]
     header = {"s": len(skeleton), "d": names, "b": [list(b) for b in buckets]}
     header.update({"t": records, "k": split, "p": part})
     data = _JSON.encode(header).encode()
     body = b"".join([_PREFIX.pack(_MAGIC, len(data), len(buckets)), data, skeleton, *inline])
-    return Encoded(body, buckets, fills)
+    return Encoded(body, buckets, fills_)
 
 
 def _corrupt(source: str, detail: str) -> PdistError:
@@ -454,7 +334,7 @@ def receive_buffers(decoded: Decoded, device: torch.device) -> list[torch.Tensor
         return []  # a small object: no torch call at all
     places = [(b.kind, transport_device(b.kind, device)) for b in decoded.buckets]
     sizes = [b.nbytes for b in decoded.buckets]
-    return _slabs(places, sizes, "the received tensors")  # type: ignore[return-value]
+    return slabs(places, sizes, "the received tensors")  # type: ignore[return-value]
 
 
 def _slices(

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _agree, _compat, _wire
+from . import _compat, _transfer, _wire
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._serialize import dtype_name
-from ._weights import SYNC_BUCKET_BYTES, Move, states_of
+from ._weights import SYNC_BUCKET_BYTES, WeightsMove, states_of
 
 __all__ = ["DistributedDataParallel", "grad_sync", "sync_model_states", "wrap_ddp"]
 
@@ -332,7 +332,7 @@ def _local_states(
     return states
 
 
-def _first_difference(src: list[list[Any]], other: list[list[Any]]) -> str:
+def _first_state_difference(src: list[list[Any]], other: list[list[Any]]) -> str:
     src_names, other_names = [e[0] for e in src], [e[0] for e in other]
     if src_names != other_names:
         extra = [n for n in other_names if n not in set(src_names)]
@@ -379,26 +379,30 @@ def sync_model_states(
     """
     g = as_group(group)
     what = "sync_model_states"
-    error: BaseException | None = None
     states: list[tuple[str, torch.Tensor]] = []
-    move: Move | None = None
-    try:
+
+    def make() -> WeightsMove | None:
+        nonlocal states
         states = _local_states(g, model, src, ignore, broadcast_buffers)
-        if g.world_size > 1:  # staging first, so that failing to allocate it raises on all
-            tensors = [t for _, t in states]
-            move = Move(g, states_of(states), tensors, src, SYNC_BUCKET_BYTES, what=what)
-    except Exception as exc:  # also a model whose named_parameters() raises
-        error = exc
+        if g.world_size == 1:
+            return None
+        # Staging first, so that failing to allocate it raises on all.
+        tensors = [t for _, t in states]
+        return WeightsMove(g, states_of(states), tensors, src, SYNC_BUCKET_BYTES, what=what)
+
     if g.world_size == 1:
-        if error is not None:
-            raise error
+        make()  # a bad argument raises as it is
         return
-    entries = [(n, tuple(t.shape), dtype_name(t.dtype), t.device.type) for n, t in states]
+
+    def entries() -> list[Any]:
+        return [(n, tuple(t.shape), dtype_name(t.dtype), t.device.type) for n, t in states]
+
     # One status all-gather carries every rank's failure and a digest of (src, entries).
-    if not _agree.status(g, error, what=what, summary=repr([src, entries])):
-        _raise_difference(g, src, entries, what)
+    move, same = _transfer.prepare(g, make, what=what, summary=lambda: repr([src, entries()]))
+    if not same:
+        _raise_difference(g, src, entries(), what)
     with torch.no_grad():
-        cast("Move", move).run()
+        cast("WeightsMove", move).run()
 
 
 def _raise_difference(g: Group, src: int, entries: list[Any], what: str) -> NoReturn:
@@ -425,7 +429,7 @@ def _raise_difference(g: Group, src: int, entries: list[Any], what: str) -> NoRe
     lists = [r[1] for r in records]
     bad = [g.ranks[i] for i, entries_i in enumerate(lists) if entries_i != lists[src]]
     try:
-        difference = _first_difference(lists[src], lists[g.ranks.index(bad[0])])
+        difference = _first_state_difference(lists[src], lists[g.ranks.index(bad[0])])
     except (TypeError, ValueError, IndexError, KeyError):  # JSON, but not pdist's entries
         difference = "unknown (a rank sent a malformed list of entries)"
     msg = (

@@ -36,11 +36,12 @@ from typing import NamedTuple, cast
 
 import torch
 
-from . import _agree, _check, _compat, _departures, _plain, _rooted, _seams, _wire
+from . import _agree, _check, _compat, _departures, _plain, _seams, _transfer, _wire
 from ._buffers import allocate
 from ._errors import HEADER, PdistError, RankMismatchError
 from ._group import DistContext, Group, ProcessGroup, as_group
 from ._serialize import dtype_name, dtype_of
+from ._transfer import Planned, plan
 from ._weight_tensors import (
     Entry,
     Gathered,
@@ -59,7 +60,7 @@ __all__ = [
     "DIRECT_BYTES",
     "SYNC_BUCKET_BYTES",
     "Entry",
-    "Move",
+    "WeightsMove",
     "broadcast_weights",
     "states_of",
 ]
@@ -68,51 +69,7 @@ logger = logging.getLogger("pdist")
 
 SYNC_BUCKET_BYTES = 64 << 20  # sync_model_states' buckets
 DIRECT_BYTES = 1 << 20  # tensors this large (or larger than a bucket) travel alone
-_ALIGN = 64  # bytes: every packed tensor starts aligned for any dtype's view
 _VERSION = 1
-
-
-class _Packed(NamedTuple):
-    """A bucket: ``(entry index, byte offset)`` per tensor, and its length."""
-
-    parts: tuple[tuple[int, int], ...]
-    nbytes: int
-
-
-class _Chunk(NamedTuple):
-    """Bytes ``[start, stop)`` of one large tensor."""
-
-    entry: int
-    start: int
-    stop: int
-
-
-def _plan(entries: list[Entry], bucket_bytes: int) -> list[_Packed | _Chunk]:
-    """The broadcasts, in order: the same on every member (a function of the metadata only)."""
-    steps: list[_Packed | _Chunk] = []
-    parts: list[tuple[int, int]] = []
-    used = 0
-    chunk = max(bucket_bytes // _ALIGN * _ALIGN, _ALIGN)
-    for i, e in enumerate(entries):
-        n = e.nbytes
-        if n == 0:
-            continue
-        if n >= min(DIRECT_BYTES, bucket_bytes):
-            steps += [_Chunk(i, a, min(a + chunk, n)) for a in range(0, n, chunk)]
-            continue
-        offset = -(-used // _ALIGN) * _ALIGN
-        if parts and offset + n > bucket_bytes:
-            steps.append(_Packed(tuple(parts), used))
-            parts, offset = [], 0
-        parts.append((i, offset))
-        used = offset + n
-    if parts:
-        steps.append(_Packed(tuple(parts), used))
-    return steps
-
-
-def _size(step: _Packed | _Chunk) -> int:
-    return step.nbytes if isinstance(step, _Packed) else step.stop - step.start
 
 
 def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
@@ -120,8 +77,13 @@ def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
     return t.dtype == e.dtype and straight(t, device)
 
 
-class Move:
-    """A planned transfer of ``tensors`` from ``src``, staged and ready to ``run``.
+def _alone(bucket_bytes: int) -> int:
+    """Tensors this large travel alone, in chunks (the rest packed): ``DIRECT_BYTES`` at most."""
+    return min(DIRECT_BYTES, bucket_bytes)
+
+
+class WeightsMove:
+    """A planned broadcast of ``tensors`` from ``src`` (``_transfer.plan``), staged, to ``run``.
 
     Every member passes ``entries`` (the same everywhere, agreed) and one tensor per entry
     of that shape: the source's to send, a receiver's to fill (of any dtype and device:
@@ -129,8 +91,8 @@ class Move:
     copies once the data moved, before the closing status, so that a failure raises on
     every member (the source filling its own ``into``). Extra memory: at most one staging
     buffer of ``bucket_bytes`` (a non-contiguous tensor in chunks is read or written in
-    place, a chunk at a time). Make it before the status that lets every member go on
-    (its staging is allocated here, so that a failure raises on all); then ``run``.
+    place, a chunk at a time). Make it inside the prepare step (``_transfer.prepare``: its
+    staging is allocated here, so that a failure raises on all); then ``run``.
     """
 
     def __init__(
@@ -144,30 +106,30 @@ class Move:
         what: str,
         copies: Iterable[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> None:
-        self.group, self.entries, self.tensors, self.src, self.what = (
-            group,
-            entries,
-            tensors,
-            src,
-            what,
-        )
-        self.copies = list(copies)
-        self.steps = _plan(entries, bucket_bytes)
+        self.group, self.entries, self.tensors, self.src = group, entries, tensors, src
+        self.what, self.copies, self.alone = what, list(copies), _alone(bucket_bytes)
+        sizes = [e.nbytes for e in entries]
+        self.steps = plan(sizes, bucket_bytes, kinds=["device"] * len(sizes), alone=self.alone)
         self.is_src = group.rank_in_group == src
-        device = group.device
         need = [
-            s.nbytes if isinstance(s, _Packed) else s.stop - s.start
+            s.nbytes
             for s in self.steps
-            if isinstance(s, _Packed)
-            or (not self.is_src and not _direct(tensors[s.entry], entries[s.entry], device))
+            if not self._chunk(s)
+            or (not self.is_src and not _direct(tensors[s.parts[0].tensor], *self._of(s)))
         ]
         # Allocated before the members agree to go on, so that a failure here raises on all.
-        self.staging = allocate(max(need), device, what=what) if need else None
+        self.staging = allocate(max(need), group.device, what=what) if need else None
         self._flat: tuple[int, torch.Tensor] | None = None  # the source's chunked tensor
-        self.offsets = {i: o for s in self.steps if isinstance(s, _Packed) for i, o in s.parts}
+        self.offsets = {p.tensor: p.offset for s in self.steps for p in s.parts}
         self.ahead: set[int] = set()  # packed when gathered, before their bucket's turn
         if isinstance(tensors, Gathered):
             tensors.ahead = self._pack_ahead
+
+    def _chunk(self, step: Planned) -> bool:
+        return self.entries[step.parts[0].tensor].nbytes >= self.alone
+
+    def _of(self, step: Planned) -> tuple[Entry, torch.device]:
+        return self.entries[step.parts[0].tensor], self.group.device
 
     def run(self) -> None:
         """Move every step; a local failure lets the others finish, then raises on every member.
@@ -176,18 +138,17 @@ class Move:
         so that no member waits; the receivers' tensors then hold undefined bytes.
         """
         failure: BaseException | None = None
-        pg = self.group.device_group
         for index, step in enumerate(self.steps):
             wire: torch.Tensor | None = None
             try:
                 if self.is_src:
                     _seams.packing(index)
-                wire = plain_wire(self._wire(step, failure is None), _size(step), self.group.device)
+                wire = plain_wire(self._wire(step, failure is None), step.nbytes, self.group.device)
             except Exception as exc:
                 failure = failure or exc
             if wire is None:  # the step could not be prepared: move the staging's bytes
                 wire = self._fallback(step)
-            _rooted.broadcast_from(wire, pg, self.src)
+            _transfer.broadcast(self.group, [("device", wire)], self.src, what=self.what)
             if not self.is_src and failure is None:
                 try:
                     self._unpack(step, wire)
@@ -208,45 +169,43 @@ class Move:
         wire.copy_(chunk_bytes(full, 0, n, self.group.device))
         self.ahead.add(i)
 
-    def _fallback(self, step: _Packed | _Chunk) -> torch.Tensor:
-        n = _size(step)
+    def _fallback(self, step: Planned) -> torch.Tensor:
         if self.staging is None:
-            return torch.empty(n, dtype=torch.uint8, device=self.group.device)
-        return self.staging[:n]
+            return torch.empty(step.nbytes, dtype=torch.uint8, device=self.group.device)
+        return self.staging[: step.nbytes]
 
-    def _wire(self, step: _Packed | _Chunk, pack: bool) -> torch.Tensor:
+    def _wire(self, step: Planned, pack: bool) -> torch.Tensor:
         """The bytes this member sends or receives into for ``step`` (packed on the source)."""
         device, staging = self.group.device, self.staging
-        if isinstance(step, _Packed):
+        if not self._chunk(step):
             self._flat = None  # a chunked tensor is done with: dropped before the next gather
             wire = cast("torch.Tensor", staging)[: step.nbytes]
             if self.is_src and pack:
-                for i, off in step.parts:
-                    if i in self.ahead:
-                        continue
-                    n = self.entries[i].nbytes
-                    wire[off : off + n].copy_(chunk_bytes(self.tensors[i], 0, n, device))
+                for i, off, _, n in step.parts:
+                    if i not in self.ahead:
+                        wire[off : off + n].copy_(chunk_bytes(self.tensors[i], 0, n, device))
             return wire
+        i, _, start, stop = step.parts[0]
         if self.is_src:  # read once per tensor (a DTensor gathered), then chunk by chunk
-            if self._flat is None or self._flat[0] != step.entry:
+            if self._flat is None or self._flat[0] != i:
                 self._flat = None  # dropped before the next gather
-                self._flat = (step.entry, self.tensors[step.entry])
-            return chunk_bytes(self._flat[1], step.start, step.stop, device)
-        t, e = self.tensors[step.entry], self.entries[step.entry]
-        if _direct(t, e, device):
-            return flat_bytes(t)[step.start : step.stop]
-        return cast("torch.Tensor", staging)[: step.stop - step.start]
+                self._flat = (i, self.tensors[i])
+            return chunk_bytes(self._flat[1], start, stop, device)
+        if _direct(self.tensors[i], self.entries[i], device):
+            return flat_bytes(self.tensors[i])[start:stop]
+        return cast("torch.Tensor", staging)[: stop - start]
 
-    def _unpack(self, step: _Packed | _Chunk, wire: torch.Tensor) -> None:
+    def _unpack(self, step: Planned, wire: torch.Tensor) -> None:
         """A receiver's part after ``step`` moved: cast the staged bytes into place."""
-        if isinstance(step, _Packed):
-            for i, off in step.parts:
+        if not self._chunk(step):
+            for i, off, _, n in step.parts:
                 e = self.entries[i]
-                self.tensors[i].copy_(wire[off : off + e.nbytes].view(e.dtype).view(e.shape))
+                self.tensors[i].copy_(wire[off : off + n].view(e.dtype).view(e.shape))
             return
-        t, e = self.tensors[step.entry], self.entries[step.entry]
+        i, _, start, _ = step.parts[0]
+        t, e = self.tensors[i], self.entries[i]
         if not _direct(t, e, self.group.device):  # any strides: written in place, chunk by chunk
-            fill_range(t, step.start // e.dtype.itemsize, wire.view(e.dtype))
+            fill_range(t, start // e.dtype.itemsize, wire.view(e.dtype))
 
 
 def _metadata(entries: list[Entry], bucket_bytes: int) -> bytes:
@@ -296,7 +255,7 @@ class _Agreed(NamedTuple):
     ready: bool  # every receiver's into takes every tensor straight: nothing can fail
 
 
-def _agreed(
+def _agree_metadata(
     g: Group,
     src: int,
     entries: list[Entry],
@@ -339,7 +298,7 @@ def _agreed(
     entries, bucket = _parse_metadata(data, g, what)
     expected = _digest(entries)
     ready = all(d == expected or (i == src and d == "-") for i, d in enumerate(digests))
-    packed = any(isinstance(step, _Packed) for step in _plan(entries, bucket))
+    packed = any(0 < e.nbytes < _alone(bucket) for e in entries)
     return _Agreed(entries, bucket, ready and not packed)
 
 
@@ -419,9 +378,9 @@ def broadcast_weights(
     try:
         if g.world_size > 1:
             with _member_lost(g, what):
-                out = _broadcast(g, mine, src, into, bucket_bytes, entries, error, what)
+                out = _broadcast_members(g, mine, src, into, bucket_bytes, entries, error, what)
         else:
-            out = _local(g, entries, mine, into, error, src)
+            out = _one_member(g, entries, mine, into, error, src)
     except BaseException:
         if isinstance(mine, Gathered):  # the mesh gathers every tensor, and learns of it
             with contextlib.suppress(Exception):  # this rank's own error matters more
@@ -432,7 +391,7 @@ def broadcast_weights(
     return out
 
 
-def _broadcast(
+def _broadcast_members(
     g: Group,
     sources: Sequence[torch.Tensor],
     src: int,
@@ -443,28 +402,24 @@ def _broadcast(
     what: str,
 ) -> dict[str, torch.Tensor]:
     """[`broadcast_weights`][pdist.broadcast_weights] on a group of two or more members."""
-    entries, bucket, ready = _agreed(g, src, entries, bucket_bytes, into, error, what)
+    entries, bucket, ready = _agree_metadata(g, src, entries, bucket_bytes, into, error, what)
     is_src = g.rank_in_group == src
-    failure: BaseException | None = None
     targets: Sequence[torch.Tensor] = []
-    move: Move | None = None
-    try:
+
+    def make() -> WeightsMove:
+        nonlocal targets
         if into is not None:
             check_into(into, entries, g, src)
         targets = sources if is_src else _targets(g, entries, into)
         mine = [into[e.name] for e in entries] if is_src and into is not None else []
         copies = zip(mine, targets, strict=False)  # the source fills its own into
-        move = Move(g, entries, targets, src, bucket, what=what, copies=copies)
-    except Exception as exc:
-        failure = exc
+        return WeightsMove(g, entries, targets, src, bucket, what=what, copies=copies)
+
     # Receivers that take every tensor straight allocate nothing and cannot differ from
     # the source (their digests matched): no member can fail here, so no status either.
-    if not ready:
-        _agree.status(g, failure, what=what)
-    elif failure is not None:
-        raise failure
+    move, _ = _transfer.prepare(g, make, together=not ready, what=what)
     with torch.no_grad():
-        cast("Move", move).run()
+        move.run()
     if into is not None:
         return dict(into) if not isinstance(into, dict) else into
     own = targets.tensors if isinstance(targets, Gathered) else targets  # the source's own
@@ -525,7 +480,7 @@ def _targets(
     return [torch.empty(e.shape, dtype=e.dtype, device=g.device) for e in entries]
 
 
-def _local(
+def _one_member(
     g: Group,
     entries: list[Entry],
     sources: Sequence[torch.Tensor],

@@ -10,7 +10,7 @@ it, so that one out of memory makes every rank raise instead of leaving the send
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "broadcast_bytes",
     "exchange",
     "frame",
+    "gather_bytes",
     "recv_bytes",
     "reserve",
     "send_bytes",
@@ -198,6 +199,48 @@ def all_gather_bytes(
     for m in sorted(messages, key=lambda m: m[:1] == bytes([OK])):  # failures first
         unframe(m, group, what, own=error)
     return [m[HEADER.size :] for m in messages]
+
+
+def gather_bytes(
+    group: Group,
+    payload: bytes | None,
+    dst: int,
+    *,
+    error: BaseException | None = None,
+    record: Sequence[int] = (),
+    what: str,
+) -> tuple[list[list[int]], list[bytes]]:
+    """Every rank's ``record`` (ints, one length everywhere) on every rank; payloads on ``dst``.
+
+    One all-gather of int64 rows carries each rank's failure flag, payload length and
+    ``record``, so that a rank's ``error`` raises on every rank before the payloads move
+    (``_agree.raise_agreed``); then one gather of rows of the longest length. Elsewhere
+    than ``dst`` the payload list is empty.
+    """
+    body = payload or b""
+    mine = torch.tensor([int(error is not None), len(body), *record], dtype=torch.int64)
+    rows = [torch.empty(mine.numel(), dtype=torch.int64) for _ in group.ranks]
+    with naming(group, what):
+        dist.all_gather(rows, mine, group=group.cpu_group)
+    records = [r.tolist() for r in rows]
+    if any(rec[0] for rec in records):
+        _agree.raise_agreed(group, error, what=what)
+    if any(min(rec[1:], default=0) < 0 or rec[1] == 0 for rec in records):
+        msg = f"{what} on group {group.name!r}: a rank sent a corrupt size record {records}"
+        raise PdistError(msg)
+    longest, is_dst = max(rec[1] for rec in records), group.rank_in_group == dst
+    buffers = reserve(
+        lambda: [
+            filled(body, longest, what=what),
+            *([allocate(longest, what=what) for _ in group.ranks] if is_dst else []),
+        ],
+        longest,
+        lambda failure: _agree.status(group, failure, what=what),
+    )
+    with naming(group, what):
+        _rooted.gather_to(buffers[0], buffers[1:] if is_dst else None, group.cpu_group, dst)
+    bodies = [bytes_of(out, rec[1]) for out, rec in zip(buffers[1:], records, strict=False)]
+    return [rec[2:] for rec in records], bodies
 
 
 def exchange(

@@ -31,6 +31,7 @@ LAYERS = {
     "_agree": 5,
     "_check": 6,
     "_wire": 6,
+    "_transfer": 7,  # the one transfer path: plans, the prepare status, moves
     "_serialize": 7,
     "_payload": 8,
     **dict.fromkeys(
@@ -95,7 +96,8 @@ FEATURE_EDGES = {
 
 # Staging memory belongs to the wire format and the code that moves bytes: a feature that
 # needs memory for a result allocates it as torch would.
-BUFFER_USERS = {"_serialize", "_payload", "_agree", "_wire", "_objects", "_gathers", "_p2p"}
+BUFFER_USERS = {"_serialize", "_payload", "_agree", "_wire", "_transfer", "_objects", "_gathers"}
+BUFFER_USERS |= {"_p2p"}
 BUFFER_USERS |= {"_collate", "_mq"}
 BUFFER_USERS |= {"_weights", "_weight_tensors"}  # a transport: its buckets are staging
 

@@ -1,0 +1,413 @@
+"""The one transfer path: plan buckets, prepare under one status, move them.
+
+Every feature that moves many tensors does the same three things, written here once:
+
+1. **Plan** (``plan``, a pure function of sizes, so that every member plans alike):
+   tensors go in order into the open bucket of their transport kind at ``ALIGN``
+   offsets, a bucket holding at most ``limit`` bytes; a tensor of ``alone`` bytes or
+   more travels in buckets of its own, chunks of at most ``limit``. ``Fill`` packs a
+   planned bucket from tensors (one concatenation where it can) and unpacks a received
+   one into its destinations with a cast, as ``copy_`` does; a lone contiguous tensor
+   is its own bucket (no staging copy).
+2. **Prepare** (``prepare``): the step that allocates and checks runs inside a ``try``;
+   its failure travels to every member in the one status round (``_agree.status``), or
+   to the one peer of a point-to-point transfer (``_agree.send_status``), so that no
+   member is left waiting in a transfer a failed member never joins.
+3. **Move** (``broadcast``, ``send``, ``recv``, ``all_gather``, ``gather``): one
+   asynchronous call per bucket on the group's transport for its kind
+   (``group.transport``), by group index (``_rooted``), then one wait for all of them
+   that names a member that left (``_departures.wait_all``).
+
+What the bytes mean stays with each feature: the object format in ``_payload``, dataset
+order in ``_collate``, ``load_state_dict`` semantics in ``_weights``. Staging memory comes
+from ``_buffers`` and is never a result's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar, cast
+
+import attrs
+import torch
+
+from . import _agree, _rooted, _seams
+from ._buffers import ALIGN, aligned, allocate, offsets, resolved, slab, tensor_bytes
+from ._compat import all_gather_into
+from ._departures import wait_all
+from ._group import Group
+
+__all__ = [
+    "KINDS",
+    "Fill",
+    "Part",
+    "Planned",
+    "Regions",
+    "Staging",
+    "all_gather",
+    "broadcast",
+    "fills",
+    "gather",
+    "kind_of",
+    "plan",
+    "prepare",
+    "recv",
+    "send",
+    "slabs",
+    "staging",
+    "transport_device",
+]
+
+KINDS = ("cpu", "device")  # bytes over the CPU group, or the device group on its device
+T = TypeVar("T")
+Buckets = Sequence[tuple[str, torch.Tensor]]  # (transport kind, flat uint8 buffer) per bucket
+
+
+def transport_device(kind: str, device: torch.device) -> torch.device:
+    """Where a transport kind's bytes live: the CPU for ``"cpu"``, else the group's ``device``."""
+    return torch.device("cpu") if kind == "cpu" else device
+
+
+def kind_of(t: torch.Tensor, device: torch.device) -> str:
+    """The transport of ``t``'s bytes on a group on ``device``: a CPU tensor takes the CPU group."""
+    return "cpu" if t.is_cpu or device.type == "cpu" else "device"
+
+
+class Part(NamedTuple):
+    """Bytes ``[start, stop)`` of tensor ``tensor``, at byte ``offset`` of their bucket."""
+
+    tensor: int
+    offset: int
+    start: int
+    stop: int
+
+
+class Planned(NamedTuple):
+    """One bucket of a plan: its transport kind, its parts, its length in bytes."""
+
+    kind: str
+    parts: tuple[Part, ...]
+    nbytes: int
+
+
+def plan(
+    sizes: Sequence[int],
+    limit: int,
+    *,
+    kinds: Sequence[str] | None = None,
+    alone: int | None = None,
+) -> list[Planned]:
+    """The buckets of tensors of ``sizes`` bytes, in the order they close (the same everywhere).
+
+    A tensor goes into the open bucket of its kind (``kinds``; default all ``"cpu"``) at
+    the next ``ALIGN`` offset, unless it would end past ``limit``: then that bucket closes
+    and a new one opens with it (a tensor larger than ``limit`` fills one alone). With
+    ``alone``, a tensor of that many bytes or more travels by itself in chunks of at most
+    ``limit`` (aligned), while the open bucket stays open. Empty tensors take no part.
+    """
+    out: list[Planned] = []
+    open_: dict[str, tuple[int, list[Part], int]] = {}  # kind -> (first tensor, parts, bytes)
+    chunk = max(limit // ALIGN * ALIGN, ALIGN)
+    for i, n in enumerate(sizes):
+        kind = "cpu" if kinds is None else kinds[i]
+        if n == 0:
+            continue
+        if alone is not None and n >= alone:
+            out += [
+                Planned(kind, (Part(i, 0, a, min(a + chunk, n)),), min(chunk, n - a))
+                for a in range(0, n, chunk)
+            ]
+            continue
+        first, parts, used = open_.get(kind, (i, [], 0))
+        offset = aligned(used)
+        if parts and offset + n > limit:
+            out.append(Planned(kind, tuple(parts), used))
+            first, parts, offset = i, [], 0
+        parts.append(Part(i, offset, 0, n))
+        open_[kind] = (first, parts, offset + n)
+    for kind, (_, parts, used) in sorted(open_.items(), key=lambda item: item[1][0]):
+        out.append(Planned(kind, tuple(parts), used))
+    return out
+
+
+def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (flat if t.dtype == torch.uint8 else flat.view(t.dtype)).view(t.shape)
+
+
+# Dtypes a bucket of one of them is packed in, with one C++ call and no per-tensor view
+_CAT_DTYPES = frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32}
+    | {torch.int16, torch.int8, torch.uint8, torch.bool}
+)
+
+
+@attrs.define
+class Fill:
+    """Whole tensors (as sent) of ``targets`` at aligned ``offsets`` in one bucket.
+
+    A tensor off the bucket's ``device`` is never lone: it is copied there when packed.
+    ``dtype``: the dtype of every tensor while they are contiguous on ``device`` and end
+    on ``ALIGN`` bytes, so that they pack with one concatenation (else None).
+    """
+
+    kind: str
+    device: torch.device
+    index: int
+    tensors: list[torch.Tensor] = attrs.field(factory=list)
+    targets: list[torch.Tensor] = attrs.field(factory=list)
+    aliased: list[bool] = attrs.field(factory=list)
+    offsets: list[int] = attrs.field(factory=list)
+    size: int = 0
+    dtype: torch.dtype | None = None
+
+    def add(self, t: torch.Tensor, offset: int) -> None:
+        """Place ``t`` at byte ``offset`` (after the tensors placed before)."""
+        alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
+        data = t if alias else resolved(t)
+        here = data.is_cpu if self.kind == "cpu" else data.device == self.device
+        if not self.tensors:
+            self.dtype = data.dtype
+        if self.dtype is not None and not (
+            here and data.nbytes % ALIGN == 0 and data.dtype == self.dtype and data.is_contiguous()
+        ):
+            self.dtype = None
+        self.tensors.append(data)
+        self.targets.append(t)
+        self.aliased.append(alias)
+        self.offsets.append(offset)
+        self.size = offset + data.nbytes
+
+    def lone(self, total: int, *, receiving: bool = False) -> bool:
+        """Whether the bucket is one contiguous tensor travelling in place (no staging copy)."""
+        return (
+            len(self.tensors) == 1
+            and total == self.size
+            and self.tensors[0].is_contiguous()
+            and self.tensors[0].device == self.device
+            and (self.aliased[0] or not receiving)
+        )
+
+    def pack(self, flat: torch.Tensor | None) -> torch.Tensor:
+        """The bucket packed into ``flat`` (zero-padded past the tensors); None: a lone tensor."""
+        _seams.packing(self.index)
+        if flat is None:
+            return tensor_bytes(self.tensors[0])
+        if self.dtype is not None:  # the offsets are contiguous: one copy in C++
+            out = flat[: self.size]
+            with torch.no_grad():
+                if self.dtype in _CAT_DTYPES:
+                    parts = [t if t.dim() == 1 else t.view(-1) for t in self.tensors]
+                    torch.cat(parts, out=out.view(self.dtype))
+                else:
+                    torch.cat([tensor_bytes(t) for t in self.tensors], out=out)
+            flat[self.size :].zero_()
+            return flat
+        flat.zero_()  # the padding between parts goes on the wire: never stale memory
+        for t, offset in zip(self.tensors, self.offsets, strict=True):
+            # (.to first: a lazy or functional tensor cannot be copied into a CPU view)
+            _typed(flat[offset : offset + t.nbytes], t).copy_(t.detach().to(flat.device))
+        return flat
+
+    def receive_buffer(self, flat: torch.Tensor | None) -> torch.Tensor:
+        """Where to receive this bucket: ``flat``, or the lone tensor itself when it is None."""
+        return tensor_bytes(self.tensors[0]) if flat is None else flat
+
+    def unpack(self, buffer: torch.Tensor) -> None:
+        """Copy a received bucket into the targets, each cast as ``copy_`` does."""
+        for t, offset in zip(self.targets, self.offsets, strict=True):
+            t.detach().copy_(_typed(buffer[offset : offset + t.nbytes], t))
+
+
+def fills(
+    planned: Sequence[Planned], tensors: Sequence[torch.Tensor], device: torch.device
+) -> list[Fill]:
+    """The ``Fill`` of each planned bucket of whole ``tensors``, for a group on ``device``."""
+    out = []
+    for index, bucket in enumerate(planned):
+        fill = Fill(bucket.kind, transport_device(bucket.kind, device), index)
+        for part in bucket.parts:
+            fill.add(tensors[part.tensor], part.offset)
+        out.append(fill)
+    return out
+
+
+Staging = list[torch.Tensor | None]  # buffers of buckets (None: a lone tensor's own memory)
+
+
+def slabs(
+    places: Sequence[tuple[str, torch.device] | None], sizes: Sequence[int], what: str
+) -> Staging:
+    """Fresh buffers of ``sizes`` bytes at ``(kind, device)`` places, one slab per kind."""
+    out: Staging = [None] * len(sizes)
+    for kind in KINDS:
+        members = [(i, p[1]) for i, p in enumerate(places) if p is not None and p[0] == kind]
+        if members:
+            _, flats = slab([sizes[i] for i, _ in members], members[0][1], what=what)
+            for (i, _), flat in zip(members, flats, strict=True):
+                out[i] = flat
+    return out
+
+
+def staging(fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False) -> Staging:
+    """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's."""
+    places = [
+        None if f.lone(n, receiving=receiving) else (f.kind, f.device)
+        for f, n in zip(fills, sizes, strict=True)
+    ]
+    return slabs(places, sizes, "staging")
+
+
+def prepare(
+    group: Group,
+    make: Callable[[], T],
+    *,
+    what: str,
+    error: BaseException | None = None,
+    together: bool = True,
+    peer: int | None = None,
+    summary: Callable[[], str] | None = None,
+) -> tuple[T, bool]:
+    """``make()`` (unless ``error``), then every member learns whether every member could.
+
+    ``together``: data follows, so every member takes part in the status round
+    (``_agree.status``) and a failure raises the same error on all; with ``peer`` this
+    member is the receiving end of a point-to-point transfer, which answers that peer
+    (``_agree.send_status``). Without ``together`` nothing follows: a failure raises
+    on this member alone, as it would without a group. ``summary()``, made after
+    ``make``, travels as a digest in the same round.
+
+    Returns:
+        What ``make`` made, and whether every member passed the same ``summary``.
+    """
+    made: T | None = None
+    if error is None:
+        try:
+            made = make()
+        except Exception as exc:
+            error = exc
+    same = True
+    if not together:
+        if error is not None:
+            _agree.raise_own(group, error, what)
+    elif peer is not None:
+        _agree.send_status(group, peer, error, what=what)
+    else:
+        text = None if summary is None else summary()
+        same = _agree.status(group, error, what=what, summary=text)
+    return cast("T", made), same
+
+
+def _finish(group: Group, works: list[Any], what: str, wait: bool) -> list[Any]:
+    if wait:
+        wait_all(group, works, what)
+        return []
+    return works
+
+
+def broadcast(
+    group: Group, buckets: Buckets, src: int, *, what: str, wait: bool = True
+) -> list[Any]:
+    """Broadcast each bucket from group index ``src`` (the works when not ``wait``)."""
+    works = [
+        _rooted.broadcast_from(flat, group.transport(kind), src, async_op=True)
+        for kind, flat in buckets
+    ]
+    return _finish(group, works, what, wait)
+
+
+def send(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
+    """Send each bucket to group index ``peer``, which calls ``recv``."""
+    wait_all(group, [_rooted.isend_to(t, group.transport(k), peer) for k, t in buckets], what)
+
+
+def recv(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
+    """Receive each bucket from group index ``peer`` (its ``send``)."""
+    wait_all(group, [_rooted.irecv_from(t, group.transport(k), peer) for k, t in buckets], what)
+
+
+class Regions:
+    """Receive memory of one transport of a gather: a region per member, one allocation.
+
+    ``even``: every region is a row of the largest size, moved by one collective;
+    otherwise each member's region moves by itself, so that one large member does not
+    make every member allocate W times its bytes. ``receiving`` False: no memory here.
+    """
+
+    def __init__(self, sizes: list[int], device: torch.device, *, receiving: bool) -> None:
+        self.sizes, self.top = sizes, max(sizes)
+        self.even = 2 * sum(sizes) >= len(sizes) * self.top
+        if self.even:
+            self.starts, total = [r * self.top for r in range(len(sizes))], self.top * len(sizes)
+        else:
+            self.starts, total = offsets(sizes)
+        self.device, size = device, total if receiving else 0
+        self.out = allocate(size, device, what="the gathered tensors")
+
+    def region(self, r: int) -> torch.Tensor:
+        """Member ``r``'s bytes."""
+        return self.out[self.starts[r] : self.starts[r] + self.sizes[r]]
+
+    def row(self, r: int) -> torch.Tensor:
+        """Member ``r``'s row of an even gather (its region and padding)."""
+        return self.out[self.starts[r] : self.starts[r] + self.top]
+
+    def send(self, me: int, fill: Fill | None, lone: bool) -> torch.Tensor:
+        """This member's bytes to send: its own region, a row-sized buffer, or a lone tensor."""
+        size, length = self.sizes[me], self.top if self.even else self.sizes[me]
+        # A lone tensor travels in place, except where its region is what moves: an uneven
+        # gather's receiving member sends from that region and rebuilds its own entry from it.
+        in_place = size == length and (self.even or not self.out.numel())
+        if fill is not None and in_place and lone:
+            return fill.pack(None)
+        if self.out.numel():  # a receiving member rebuilds its own entry from its region
+            flat = self.row(me) if self.even else self.region(me)
+        else:
+            flat = allocate(length, self.device, what="a gather")
+        if fill is not None:
+            fill.pack(flat[:size])
+        flat[size:].zero_()
+        return flat
+
+
+def all_gather(
+    group: Group, regions: dict[str, Regions], sends: dict[str, torch.Tensor], *, what: str
+) -> None:
+    """Every member's ``sends[kind]`` into every member's ``regions[kind]``."""
+    works = []
+    for kind, reg in regions.items():
+        pg = group.transport(kind)
+        if reg.even:
+            works.append(all_gather_into(reg.out, sends[kind], pg, async_op=True))
+            continue
+        works += [
+            _rooted.broadcast_from(reg.region(r), pg, r, async_op=True)
+            for r, size in enumerate(reg.sizes)
+            if size
+        ]
+    wait_all(group, works, what)
+
+
+def gather(
+    group: Group,
+    regions: dict[str, Regions],
+    sends: dict[str, torch.Tensor],
+    dst: int,
+    *,
+    what: str,
+) -> None:
+    """Every member's ``sends[kind]`` into ``regions[kind]`` on group index ``dst``."""
+    me, is_dst, works = group.rank_in_group, group.rank_in_group == dst, []
+    for kind, reg in regions.items():
+        pg = group.transport(kind)
+        if reg.even:
+            rows = [reg.row(r) for r in range(group.world_size)] if is_dst else None
+            works.append(_rooted.gather_to(sends[kind], rows, pg, dst, async_op=True))
+        elif is_dst:
+            works += [
+                _rooted.irecv_from(reg.region(r), pg, r)
+                for r, size in enumerate(reg.sizes)
+                if size and r != me
+            ]
+        elif reg.sizes[me]:
+            works.append(_rooted.isend_to(sends[kind], pg, dst))
+    wait_all(group, works, what)
