@@ -18,12 +18,11 @@ from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from . import _agree, _plain, _wire
+from . import _agree, _plain, _transfer, _wire
 from ._buffers import ALIGN, aligned, allocate
-from ._compat import all_gather_into
+from ._departures import wait_all
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
 from ._serialize import dtype_name, dtype_of
@@ -162,7 +161,7 @@ def _leaf_problem(t: torch.Tensor, device: torch.device) -> str | None:
     return None
 
 
-def _local(batches: Any, device: torch.device) -> _Local:
+def _own_batches(batches: Any, device: torch.device) -> _Local:
     if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
         got = "None" if batches is None else f"a {type(batches).__name__}"
         msg = (
@@ -257,7 +256,7 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _parse(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], Any]:
+def _parse_record(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], Any]:
     """The structure, the leaf names and the leaves' metadata in ``rank``'s ``record``."""
     try:
         spec, leaves = _tuples(_plain.loads(record))
@@ -278,7 +277,7 @@ def _parse(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], A
 
 def _differences(g: Group, records: dict[int, bytes]) -> RankMismatchError:
     """What differs between the ranks' ``records`` (which are not all equal)."""
-    parsed = {rank: _parse(g, rank, record) for rank, record in records.items()}
+    parsed = {rank: _parse_record(g, rank, record) for rank, record in records.items()}
     what = "the metadata record"
     values: dict[int, Any] = {rank: rank for rank in parsed}
     if len({repr(spec) for spec, _, _ in parsed.values()}) > 1:
@@ -294,7 +293,7 @@ def _differences(g: Group, records: dict[int, bytes]) -> RankMismatchError:
     return RankMismatchError(f"collate_batches: {what} differs across ranks: {parts}")
 
 
-def _counts(g: Group, messages: list[bytes]) -> list[int]:
+def _sample_counts(g: Group, messages: list[bytes]) -> list[int]:
     """Every rank's sample count; RankMismatchError if EvalSampler cannot produce them."""
     counts = [_COUNT.unpack_from(m)[0] if len(m) >= _COUNT.size else -1 for m in messages]
     total, world = sum(counts), g.world_size
@@ -337,17 +336,17 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     """
     g = as_group(group)
     if g.world_size == 1:
-        local = _local(batches, g.device)
+        local = _own_batches(batches, g.device)
         if local.spec is None:
             return None
         with torch.no_grad():
             leaves = (torch.cat(c) for c in local.columns)  # fresh memory, as on W ranks
             return _unflatten(local.spec, leaves)
     try:
-        local, error = _local(batches, g.device), None
+        local, error = _own_batches(batches, g.device), None
     except Exception as exc:
         local, error = _NO_BATCHES, exc
-    agreed = _agreed(g, local, error)
+    agreed = _agree_leaves(g, local, error)
     if agreed is None:
         return None
     local, memory, counts = agreed
@@ -363,7 +362,7 @@ def collate_batches(group: Group | DistContext, batches: Sequence[Any]) -> Any:
     return _unflatten(local.spec, iter(_gather_leaves(g, call, memory)))
 
 
-def _agreed(
+def _agree_leaves(
     g: Group, local: _Local, error: BaseException | None
 ) -> tuple[_Local, _Memory, list[int]] | None:
     """The agreed leaves, this rank's memory and the counts; None when no rank has batches."""
@@ -383,24 +382,25 @@ def _agreed(
         return None
     if len(set(present.values())) > 1:
         raise _differences(g, present)
-    counts = _counts(g, messages)
-    if len(present) < g.world_size:  # a rank without batches takes the common record
-        try:
-            if local.spec is None:
-                spec, _, sent = _parse(g, *next(iter(present.items())))
-                received = [_Leaf(dtype_of(d), shape, device) for d, shape, device in sent]
-                local = _Local(spec, [], received, 0)
-                memory = _reserve(g, received, max(counts))
-        except Exception as exc:
-            error = exc
-        _agree.status(g, error, what=_WHAT)
+    counts = _sample_counts(g, messages)
+    if len(present) == g.world_size:
+        return local, memory, counts
+
+    def adopt() -> tuple[_Local, _Memory]:  # a rank without batches takes the common record
+        if local.spec is not None:
+            return local, memory
+        spec, _, sent = _parse_record(g, *next(iter(present.items())))
+        received = [_Leaf(dtype_of(d), shape, device) for d, shape, device in sent]
+        return _Local(spec, [], received, 0), _reserve(g, received, max(counts))
+
+    (local, memory), _ = _transfer.prepare(g, adopt, what=_WHAT)
     return local, memory, counts
 
 
 _Memory = dict[str, torch.Tensor]  # per transport: where its gathers land
 _OWN_GATHER_MIN_BYTES = 256 << 10
 _PIPELINE_MIN_BYTES = 1 << 20
-_MAX_GATHERS = 3  # per transport: two of their own (_plan), one shared
+_MAX_GATHERS = 3  # per transport: two of their own (_runs), one shared
 _COLUMN = 16  # leaves sharing a row start at multiples of this: every dtype can view them
 
 
@@ -433,7 +433,7 @@ class _Call(NamedTuple):
     total: int
 
 
-def _plan(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[list[int]]:
+def _runs(specs: list[_Leaf], leaves: list[int], gathered_rows: int) -> list[list[int]]:
     """Split one transport's leaves into runs of one gather each (at most three).
 
     The (at most two) largest groups of leaves of equal row bytes, if large, get a
@@ -495,7 +495,7 @@ def _own(call: _Call, gathered: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(
-    call: _Call, pg: dist.ProcessGroup, cpu: bool, run: list[int], gathered: torch.Tensor
+    g: Group, call: _Call, cpu: bool, run: list[int], gathered: torch.Tensor
 ) -> Callable[[], list[tuple[int, torch.Tensor]]]:
     """Start the gather of ``run``, packed; ``finish()`` gives ``(leaf index, leaf)`` pairs.
 
@@ -511,12 +511,12 @@ def _gather(
         dtype = next(d for d in (torch.int64, torch.int32, torch.uint8) if width % d.itemsize == 0)
         words = gathered.view(dtype).view(blocks, rows, world, width // dtype.itemsize)
         outs, source = [words[:, :, j] for j in range(world)], mine.view(dtype)
-        work = dist.all_gather(outs, source.view(words[:, :, 0].shape), group=pg, async_op=True)
+        work = _transfer.start_all_gather(g, "cpu", outs, source.view(words[:, :, 0].shape))
     else:
-        work = all_gather_into(gathered, mine, pg, async_op=True)
+        work = _transfer.start_all_gather(g, "device", gathered, mine)
 
     def finish() -> list[tuple[int, torch.Tensor]]:
-        work.wait()
+        wait_all(g, [work], _WHAT)
         table = grid
         if not cpu:  # the gather was rank-major: interleave (a copy)
             table = gathered.view(world, blocks, rows, width).permute(1, 2, 0, 3)
@@ -539,7 +539,7 @@ def _regions(call: _Call, memory: _Memory) -> Iterator[tuple[str, list[int], tor
             by_transport[_transport(spec)].append(i)
     for kind, leaves in by_transport.items():
         used = 0
-        for run in _plan(call.specs, leaves, call.rows * call.world):
+        for run in _runs(call.specs, leaves, call.rows * call.world):
             blocks, width, _ = _layout(call.specs, run)
             size = blocks * call.rows * call.world * width
             start, used = used, aligned(used + size)
@@ -556,7 +556,7 @@ def _gather_leaves(g: Group, call: _Call, memory: _Memory) -> list[torch.Tensor]
     finishes = []
     for kind, run, region in _regions(call, memory):  # packing the next overlaps a gather
         _pack(call, run, _own(call, region))
-        finishes.append(_gather(call, g.transport(kind), kind == "cpu", run, region))
+        finishes.append(_gather(g, call, kind == "cpu", run, region))
     for finish in finishes:
         gathered.update(finish())
     return [gathered[i] for i in range(len(call.specs))]

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from . import _agree, _rooted, _seams
 from ._buffers import ALIGN, aligned, allocate, offsets, resolved, slab, tensor_bytes
@@ -55,6 +56,7 @@ __all__ = [
     "send",
     "slabs",
     "staging",
+    "start_all_gather",
     "transport_device",
 ]
 
@@ -369,6 +371,20 @@ class Regions:
         return flat
 
 
+def start_all_gather(
+    group: Group, kind: str, out: torch.Tensor | list[torch.Tensor], mine: torch.Tensor
+) -> Any:
+    """Start one all-gather of ``mine`` on ``kind``'s transport; its work.
+
+    ``out``: one rank-major tensor, or a view per member, of any strides (gloo writes
+    straight into them: ``collate_batches`` gathers into dataset order so).
+    """
+    pg = group.transport(kind)
+    if isinstance(out, list):
+        return dist.all_gather(out, mine, group=pg, async_op=True)
+    return all_gather_into(out, mine, pg, async_op=True)
+
+
 def all_gather(
     group: Group, regions: dict[str, Regions], sends: dict[str, torch.Tensor], *, what: str
 ) -> None:
@@ -377,7 +393,7 @@ def all_gather(
     for kind, reg in regions.items():
         pg = group.transport(kind)
         if reg.even:
-            works.append(all_gather_into(reg.out, sends[kind], pg, async_op=True))
+            works.append(start_all_gather(group, kind, reg.out, sends[kind]))
             continue
         works += [
             _rooted.broadcast_from(reg.region(r), pg, r, async_op=True)
