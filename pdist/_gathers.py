@@ -151,7 +151,7 @@ def all_gather_object(group: Group | DistContext, obj: Any, *, safe: Safe = Fals
     ]
     make = functools.partial(_lay_out, g, bodies, None, encoded, True)
     layout, _ = _transfer.prepare(g, make, together=any(counts), what=what)
-    _transfer.all_gather(g, layout.regions, layout.sends, what=what)
+    _transfer.all_gather_regions(g, layout.regions, layout.sends, what=what)
     return _rebuilt(g, layout, safe)
 
 
@@ -190,5 +190,5 @@ def gather_object(
     is_dst = g.rank_in_group == dst
     make = functools.partial(_lay_out, g, bodies, sizes, encoded, is_dst)
     layout, _ = _transfer.prepare(g, make, together=any(any(s) for s in sizes), what=what)
-    _transfer.gather(g, layout.regions, layout.sends, dst, what=what)
+    _transfer.gather_regions(g, layout.regions, layout.sends, dst, what=what)
     return _rebuilt(g, layout, safe) if is_dst else None

@@ -80,7 +80,7 @@ def _broadcast(
     if not decoded.buckets and not decoded.specs:  # a skeleton alone (most small objects)
         return loads(decoded.skeleton, [], [], safe=safe)  # type: ignore[arg-type]
     kinds = [b.kind for b in decoded.buckets]
-    works = _transfer.broadcast(
+    works = _transfer.broadcast_buckets(
         group, list(zip(kinds, buffers, strict=True)), src, what=what, wait=False
     )
     # The views are made while the buckets fill (a corrupt layout raises once they have);
@@ -116,7 +116,9 @@ def _broadcast_out(
     if not encoded.buckets:
         return obj
     packed, _ = _transfer.prepare(group, encoded.pack_all, what=what)
-    _transfer.broadcast(group, list(zip(encoded.kinds, packed, strict=True)), src, what=what)
+    _transfer.broadcast_buckets(
+        group, list(zip(encoded.kinds, packed, strict=True)), src, what=what
+    )
     return obj
 
 

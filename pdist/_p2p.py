@@ -39,7 +39,7 @@ def _peer(g: Group, index: int | None, default_global: int, name: str) -> int:
     return peer
 
 
-def _ends(g: Group, peer: int, name: str, travels: str) -> None:
+def _check_ends(g: Group, peer: int, name: str, travels: str) -> None:
     """Check mode: the two ends swap what they pass first (``_check.agree_ends``).
 
     So that a tensor ``send``/``recv`` on the other end raises on both instead of pairing
@@ -82,7 +82,7 @@ def _send_payload(
         return
     _agree.recv_status(g, peer, what=what)  # the receiver's status: raises if it failed
     pieces = [_part(flat, split).contiguous() for flat in packed]
-    _transfer.send(g, list(zip(encoded.kinds, pieces, strict=True)), peer, what=what)
+    _transfer.send_buckets(g, list(zip(encoded.kinds, pieces, strict=True)), peer, what=what)
 
 
 def _recv_payload(
@@ -127,7 +127,7 @@ def _recv_payload(
     assert made is not None
     decoded, buffers, tensors = made
     parts = [(b.kind, _part(data, split)) for b, data in zip(decoded.buckets, buffers, strict=True)]
-    _transfer.recv(g, parts, peer, what=what)
+    _transfer.recv_buckets(g, parts, peer, what=what)
     if stage is not None:
         works = [
             all_gather_into(data, part, stage.transport(kind), async_op=True)
@@ -195,7 +195,7 @@ def send_object(group: Group | DistContext, obj: Any, dst: int) -> None:
     """
     g = as_group(group)
     peer = _peer(g, dst, g.next_rank, "dst")
-    _ends(g, peer, "send_object", "an object")
+    _check_ends(g, peer, "send_object", "an object")
     _send_payload(g, peer, lambda: obj, what="send_object")
 
 
@@ -216,7 +216,7 @@ def recv_object(group: Group | DistContext, src: int, *, safe: Safe = False) -> 
     """
     g = as_group(group)
     peer = _peer(g, src, g.prev_rank, "src")
-    _ends(g, peer, "recv_object", "an object")
+    _check_ends(g, peer, "recv_object", "an object")
     return _recv_payload(g, peer, safe=safe, what="recv_object")
 
 
@@ -257,7 +257,7 @@ def send_tensor_dict(
     """
     g = as_group(group)
     peer = _peer(g, dst, g.next_rank, "dst")
-    _ends(g, peer, "send_tensor_dict", "a tensor dict")
+    _check_ends(g, peer, "send_tensor_dict", "a tensor dict")
 
     def make() -> Mapping[Any, Any]:
         _check_split(all_gather_group, g)
@@ -292,7 +292,7 @@ def recv_tensor_dict(
     g = as_group(group)
     what = "recv_tensor_dict"
     peer = _peer(g, src, g.prev_rank, "src")
-    _ends(g, peer, what, "a tensor dict")
+    _check_ends(g, peer, what, "a tensor dict")
     error: BaseException | None = None
     split: Group | None = None
     try:

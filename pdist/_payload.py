@@ -255,7 +255,7 @@ def _kind(r: list[Any], dtypes: list[torch.dtype], source: str) -> _Kind:
     return spec, bool(flags & STORAGE), numel, nbytes
 
 
-def _record(
+def _row(
     r: object,
     count: int,
     dtypes: list[torch.dtype],
@@ -307,7 +307,7 @@ def decode(body: bytes, *, source: str = "a peer") -> Decoded:
         specs, storage, places, ends = [], [], [], [-1] * count
         kinds: dict[tuple[int, ...], _Kind] = {}
         for r in header["t"]:
-            spec, is_storage, place, end = _record(r, count, dtypes, len(blob), source, kinds)
+            spec, is_storage, place, end = _row(r, count, dtypes, len(blob), source, kinds)
             if place[0] >= 0 and end > ends[place[0]]:
                 ends[place[0]] = end
             specs.append(spec)

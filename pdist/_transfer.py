@@ -13,7 +13,8 @@ Every feature that moves many tensors does the same three things, written here o
    its failure travels to every member in the one status round (``_agree.status``), or
    to the one peer of a point-to-point transfer (``_agree.send_status``), so that no
    member is left waiting in a transfer a failed member never joins.
-3. **Move** (``broadcast``, ``send``, ``recv``, ``all_gather``, ``gather``): one
+3. **Move** (``broadcast_buckets``, ``send_buckets``, ``recv_buckets``,
+   ``all_gather_regions``, ``gather_regions``): one
    asynchronous call per bucket on the group's transport for its kind
    (``group.transport``), by group index (``_rooted``), then one wait for all of them
    that names a member that left (``_departures.wait_all``).
@@ -45,15 +46,15 @@ __all__ = [
     "Planned",
     "Regions",
     "Staging",
-    "all_gather",
-    "broadcast",
+    "all_gather_regions",
+    "broadcast_buckets",
     "fills",
-    "gather",
+    "gather_regions",
     "kind_of",
     "plan",
     "prepare",
-    "recv",
-    "send",
+    "recv_buckets",
+    "send_buckets",
     "slabs",
     "staging",
     "start_all_gather",
@@ -145,7 +146,7 @@ _CAT_DTYPES = frozenset(
 
 @attrs.define
 class Fill:
-    """Whole tensors (as sent) of ``targets`` at aligned ``offsets`` in one bucket.
+    """Whole tensors (as sent) at aligned ``offsets`` in one bucket, packed on demand.
 
     A tensor off the bucket's ``device`` is never lone: it is copied there when packed.
     ``dtype``: the dtype of every tensor while they are contiguous on ``device`` and end
@@ -156,16 +157,13 @@ class Fill:
     device: torch.device
     index: int
     tensors: list[torch.Tensor] = attrs.field(factory=list)
-    targets: list[torch.Tensor] = attrs.field(factory=list)
-    aliased: list[bool] = attrs.field(factory=list)
     offsets: list[int] = attrs.field(factory=list)
     size: int = 0
     dtype: torch.dtype | None = None
 
     def add(self, t: torch.Tensor, offset: int) -> None:
         """Place ``t`` at byte ``offset`` (after the tensors placed before)."""
-        alias = not (t.is_conj() or t.is_neg())  # whether ``data`` is ``t``'s own memory
-        data = t if alias else resolved(t)
+        data = resolved(t) if t.is_conj() or t.is_neg() else t  # such views have no bytes
         here = data.is_cpu if self.kind == "cpu" else data.device == self.device
         if not self.tensors:
             self.dtype = data.dtype
@@ -174,19 +172,16 @@ class Fill:
         ):
             self.dtype = None
         self.tensors.append(data)
-        self.targets.append(t)
-        self.aliased.append(alias)
         self.offsets.append(offset)
         self.size = offset + data.nbytes
 
-    def lone(self, total: int, *, receiving: bool = False) -> bool:
+    def lone(self, total: int) -> bool:
         """Whether the bucket is one contiguous tensor travelling in place (no staging copy)."""
         return (
             len(self.tensors) == 1
             and total == self.size
             and self.tensors[0].is_contiguous()
             and self.tensors[0].device == self.device
-            and (self.aliased[0] or not receiving)
         )
 
     def pack(self, flat: torch.Tensor | None) -> torch.Tensor:
@@ -209,15 +204,6 @@ class Fill:
             # (.to first: a lazy or functional tensor cannot be copied into a CPU view)
             _typed(flat[offset : offset + t.nbytes], t).copy_(t.detach().to(flat.device))
         return flat
-
-    def receive_buffer(self, flat: torch.Tensor | None) -> torch.Tensor:
-        """Where to receive this bucket: ``flat``, or the lone tensor itself when it is None."""
-        return tensor_bytes(self.tensors[0]) if flat is None else flat
-
-    def unpack(self, buffer: torch.Tensor) -> None:
-        """Copy a received bucket into the targets, each cast as ``copy_`` does."""
-        for t, offset in zip(self.targets, self.offsets, strict=True):
-            t.detach().copy_(_typed(buffer[offset : offset + t.nbytes], t))
 
 
 def fills(
@@ -250,12 +236,9 @@ def slabs(
     return out
 
 
-def staging(fills: Sequence[Fill], sizes: Sequence[int], *, receiving: bool = False) -> Staging:
+def staging(fills: Sequence[Fill], sizes: Sequence[int]) -> Staging:
     """Buffers for the buckets of ``fills`` (of ``sizes`` bytes); None for a lone tensor's."""
-    places = [
-        None if f.lone(n, receiving=receiving) else (f.kind, f.device)
-        for f, n in zip(fills, sizes, strict=True)
-    ]
+    places = [None if f.lone(n) else (f.kind, f.device) for f, n in zip(fills, sizes, strict=True)]
     return slabs(places, sizes, "staging")
 
 
@@ -306,7 +289,7 @@ def _finish(group: Group, works: list[Any], what: str, wait: bool) -> list[Any]:
     return works
 
 
-def broadcast(
+def broadcast_buckets(
     group: Group, buckets: Buckets, src: int, *, what: str, wait: bool = True
 ) -> list[Any]:
     """Broadcast each bucket from group index ``src`` (the works when not ``wait``)."""
@@ -317,13 +300,13 @@ def broadcast(
     return _finish(group, works, what, wait)
 
 
-def send(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
-    """Send each bucket to group index ``peer``, which calls ``recv``."""
+def send_buckets(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
+    """Send each bucket to group index ``peer``, which calls ``recv_buckets``."""
     wait_all(group, [_rooted.isend_to(t, group.transport(k), peer) for k, t in buckets], what)
 
 
-def recv(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
-    """Receive each bucket from group index ``peer`` (its ``send``)."""
+def recv_buckets(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
+    """Receive each bucket from group index ``peer`` (its ``send_buckets``)."""
     wait_all(group, [_rooted.irecv_from(t, group.transport(k), peer) for k, t in buckets], what)
 
 
@@ -385,7 +368,7 @@ def start_all_gather(
     return all_gather_into(out, mine, pg, async_op=True)
 
 
-def all_gather(
+def all_gather_regions(
     group: Group, regions: dict[str, Regions], sends: dict[str, torch.Tensor], *, what: str
 ) -> None:
     """Every member's ``sends[kind]`` into every member's ``regions[kind]``."""
@@ -403,7 +386,7 @@ def all_gather(
     wait_all(group, works, what)
 
 
-def gather(
+def gather_regions(
     group: Group,
     regions: dict[str, Regions],
     sends: dict[str, torch.Tensor],

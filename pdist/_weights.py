@@ -77,7 +77,7 @@ def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
     return t.dtype == e.dtype and straight(t, device)
 
 
-def _alone(bucket_bytes: int) -> int:
+def _alone_bytes(bucket_bytes: int) -> int:
     """Tensors this large travel alone, in chunks (the rest packed): ``DIRECT_BYTES`` at most."""
     return min(DIRECT_BYTES, bucket_bytes)
 
@@ -107,7 +107,7 @@ class WeightsMove:
         copies: Iterable[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> None:
         self.group, self.entries, self.tensors, self.src = group, entries, tensors, src
-        self.what, self.copies, self.alone = what, list(copies), _alone(bucket_bytes)
+        self.what, self.copies, self.alone = what, list(copies), _alone_bytes(bucket_bytes)
         sizes = [e.nbytes for e in entries]
         self.steps = plan(sizes, bucket_bytes, kinds=["device"] * len(sizes), alone=self.alone)
         self.is_src = group.rank_in_group == src
@@ -148,7 +148,7 @@ class WeightsMove:
                 failure = failure or exc
             if wire is None:  # the step could not be prepared: move the staging's bytes
                 wire = self._fallback(step)
-            _transfer.broadcast(self.group, [("device", wire)], self.src, what=self.what)
+            _transfer.broadcast_buckets(self.group, [("device", wire)], self.src, what=self.what)
             if not self.is_src and failure is None:
                 try:
                     self._unpack(step, wire)
@@ -298,7 +298,7 @@ def _agree_metadata(
     entries, bucket = _parse_metadata(data, g, what)
     expected = _digest(entries)
     ready = all(d == expected or (i == src and d == "-") for i, d in enumerate(digests))
-    packed = any(0 < e.nbytes < _alone(bucket) for e in entries)
+    packed = any(0 < e.nbytes < _alone_bytes(bucket) for e in entries)
     return _Agreed(entries, bucket, ready and not packed)
 
 
