@@ -15,7 +15,6 @@ import torch
 
 from . import _agree, _check, _transfer, _wire
 from ._buffers import ALIGN
-from ._compat import all_gather_into
 from ._departures import wait_all
 from ._errors import PdistError, RankMismatchError
 from ._group import DistContext, Group, as_group
@@ -107,30 +106,27 @@ def _recv_payload(
         if stage is not None:  # the other receivers of the stage raise too
             _agree_split(stage, None, error or exc, what)
         raise
-
-    def receive() -> tuple[Decoded, list[torch.Tensor], list[torch.Tensor]]:
-        decoded = decode(body, source=source)
-        _check_part(g, peer, decoded, stage)
-        buffers = receive_buffers(decoded, g.device)
-        return decoded, buffers, tensors_of(decoded, buffers, g.device)
-
-    made: tuple[Decoded, list[torch.Tensor], list[torch.Tensor]] | None = None
+    decoded: Decoded | None = None
+    buffers: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
     if error is None:
         try:
-            made = receive()
+            decoded = decode(body, source=source)
+            _check_part(g, peer, decoded, stage)
+            buffers = receive_buffers(decoded, g.device)
+            tensors = tensors_of(decoded, buffers, g.device)
         except Exception as exc:
             error = exc
     if stage is not None:
-        error = _agree_split(stage, None if made is None else made[0], error, what)
+        error = _agree_split(stage, decoded, error, what)
     # The sender waits for this rank's answer only when buckets follow.
     _transfer.prepare(g, lambda: None, error=error, together=count > 0, peer=peer, what=what)
-    assert made is not None
-    decoded, buffers, tensors = made
+    assert decoded is not None
     parts = [(b.kind, _part(data, split)) for b, data in zip(decoded.buckets, buffers, strict=True)]
     _transfer.recv_buckets(g, parts, peer, what=what)
     if stage is not None:
         works = [
-            all_gather_into(data, part, stage.transport(kind), async_op=True)
+            _transfer.start_all_gather(stage, kind, data, part)
             for (kind, part), data in zip(parts, buffers, strict=True)
         ]
         wait_all(stage, works, what)

@@ -5,19 +5,19 @@ Every feature that moves many tensors does the same three things, written here o
 1. **Plan** (``plan``, a pure function of sizes, so that every member plans alike):
    tensors go in order into the open bucket of their transport kind at ``ALIGN``
    offsets, a bucket holding at most ``limit`` bytes; a tensor of ``alone`` bytes or
-   more travels in buckets of its own, chunks of at most ``limit``. ``Fill`` packs a
-   planned bucket from tensors (one concatenation where it can) and unpacks a received
-   one into its destinations with a cast, as ``copy_`` does; a lone contiguous tensor
-   is its own bucket (no staging copy).
+   more travels in buckets of its own, chunks of at most ``limit``. Each part names a
+   byte range of one tensor, so a receiver can take a chunk straight into its
+   destination or cast it there (``_weights``). ``Fill`` packs a planned bucket of whole
+   tensors (one concatenation where it can); a lone contiguous tensor is its own bucket
+   (no staging copy).
 2. **Prepare** (``prepare``): the step that allocates and checks runs inside a ``try``;
    its failure travels to every member in the one status round (``_agree.status``), or
    to the one peer of a point-to-point transfer (``_agree.send_status``), so that no
    member is left waiting in a transfer a failed member never joins.
 3. **Move** (``broadcast_buckets``, ``send_buckets``, ``recv_buckets``,
-   ``all_gather_regions``, ``gather_regions``): one
-   asynchronous call per bucket on the group's transport for its kind
-   (``group.transport``), by group index (``_rooted``), then one wait for all of them
-   that names a member that left (``_departures.wait_all``).
+   ``all_gather_regions``, ``gather_regions``): one asynchronous call per bucket on the
+   group's transport for its kind (``group.transport``), by group index (``_rooted``),
+   then one wait for all of them that names a member that left (``_departures.wait_all``).
 
 What the bytes mean stays with each feature: the object format in ``_payload``, dataset
 order in ``_collate``, ``load_state_dict`` semantics in ``_weights``. Staging memory comes

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat
+from ._buffers import tensor_bytes
 from ._errors import PdistError, RankMismatchError
 from ._group import Group
 
@@ -32,7 +33,6 @@ __all__ = [
     "chunk_bytes",
     "entries_of",
     "fill_range",
-    "flat_bytes",
     "gather_along",
     "plain_wire",
     "sources",
@@ -174,11 +174,6 @@ def _any_failed(dtensor: torch.Tensor, failed: bool) -> bool:
     return bool(flag.item())
 
 
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def plain_wire(wire: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
     """``wire`` if it is a plain contiguous tensor of ``n`` bytes on ``device``, else raise.
 
@@ -248,7 +243,7 @@ def chunk_bytes(t: torch.Tensor, start: int, stop: int, device: torch.device) ->
             part[offset : offset + view.numel()].view(view.shape).copy_(view)
     if part.device != device:
         part = part.to(device)
-    return flat_bytes(part.contiguous())
+    return tensor_bytes(part)
 
 
 def straight(t: torch.Tensor, device: torch.device) -> bool:

@@ -37,7 +37,7 @@ from typing import NamedTuple, cast
 import torch
 
 from . import _agree, _check, _compat, _departures, _plain, _seams, _transfer, _wire
-from ._buffers import allocate
+from ._buffers import allocate, tensor_bytes
 from ._errors import HEADER, PdistError, RankMismatchError
 from ._group import DistContext, Group, ProcessGroup, as_group
 from ._serialize import dtype_name, dtype_of
@@ -49,7 +49,6 @@ from ._weight_tensors import (
     chunk_bytes,
     entries_of,
     fill_range,
-    flat_bytes,
     gather_along,
     plain_wire,
     sources,
@@ -192,7 +191,7 @@ class WeightsMove:
                 self._flat = (i, self.tensors[i])
             return chunk_bytes(self._flat[1], start, stop, device)
         if _direct(self.tensors[i], self.entries[i], device):
-            return flat_bytes(self.tensors[i])[start:stop]
+            return tensor_bytes(self.tensors[i])[start:stop]
         return cast("torch.Tensor", staging)[: stop - start]
 
     def _unpack(self, step: Planned, wire: torch.Tensor) -> None:
