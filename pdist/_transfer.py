@@ -26,7 +26,7 @@ from ``_buffers`` and is never a result's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
 import attrs
@@ -48,6 +48,8 @@ __all__ = [
     "Staging",
     "all_gather_regions",
     "broadcast_buckets",
+    "chunk_bytes",
+    "direct",
     "fills",
     "gather_regions",
     "kind_of",
@@ -58,6 +60,8 @@ __all__ = [
     "slabs",
     "staging",
     "start_all_gather",
+    "straight",
+    "take",
     "transport_device",
 ]
 
@@ -217,6 +221,78 @@ def fills(
             fill.add(tensors[part.tensor], part.offset)
         out.append(fill)
     return out
+
+
+def straight(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t``'s own memory holds its values in order on ``device`` (a wire as is)."""
+    return t.is_contiguous() and t.device == device and not (t.is_conj() or t.is_neg())
+
+
+def _pieces(t: torch.Tensor, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """Views of ``t`` covering its elements ``[start, stop)`` (row-major), with their offsets.
+
+    A partial row, whole rows, a partial row (recursively). ``t`` may have any strides (a
+    transposed tensor): at most ``2 * dim + 1`` views, and no contiguous copy of the whole
+    tensor is ever made.
+    """
+    if t.dim() == 0:
+        yield t, 0
+        return
+    row = t[0].numel() if t.shape[0] else 0
+    if row == 0 or stop <= start:
+        return
+    first, last = -(-start // row), stop // row  # the whole rows are [first, last)
+    if first > last:  # inside one row
+        r = start // row
+        yield from _pieces(t[r], start - r * row, stop - r * row)
+        return
+    if start < first * row:
+        yield from _pieces(t[first - 1], start - (first - 1) * row, row)
+    if last > first:
+        yield t[first:last], first * row - start
+    if stop > last * row:
+        for view, offset in _pieces(t[last], 0, stop - last * row):
+            yield view, offset + last * row - start
+
+
+def chunk_bytes(t: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of ``t``'s elements in row-major order, contiguous on ``device``.
+
+    A contiguous ``t`` is sliced (a view); any other (transposed, conjugate, negative) is
+    read piece by piece into a buffer of the chunk's size, never copied whole. Sliced in
+    its own dtype first, so that only that part moves to ``device`` and devices that cannot
+    view bytes (torch's lazy) still work.
+    """
+    size, t = t.element_size(), t.detach()
+    if straight(t, t.device):
+        part = t.reshape(-1)[start // size : stop // size]
+    else:
+        part = torch.empty((stop - start) // size, dtype=t.dtype, device=t.device)
+        for view, offset in _pieces(t, start // size, stop // size):
+            part[offset : offset + view.numel()].view(view.shape).copy_(view)
+    if part.device != device:
+        part = part.to(device)
+    return tensor_bytes(part)
+
+
+def direct(dest: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``dest``'s own memory can receive ``dtype`` bytes on ``device`` (no staging)."""
+    return dest.dtype == dtype and straight(dest, device)
+
+
+def take(part: Part, wire: torch.Tensor, dest: torch.Tensor, dtype: torch.dtype) -> None:
+    """Cast ``part``'s bytes in ``wire`` (values of ``dtype``) into ``dest``, in place.
+
+    ``dest`` may have any dtype, device and strides: it is filled as ``copy_`` fills it
+    (as ``load_state_dict`` does), a chunk written into its elements ``[start, stop)``
+    view by view, never through a contiguous copy of the whole.
+    """
+    values = wire[part.offset : part.offset + part.stop - part.start].view(dtype)
+    if part.start == 0 and values.numel() == dest.numel():
+        dest.copy_(values.view(dest.shape))
+        return
+    for view, offset in _pieces(dest, part.start // dtype.itemsize, part.stop // dtype.itemsize):
+        view.copy_(values[offset : offset + view.numel()].view(view.shape))
 
 
 Staging = list[torch.Tensor | None]  # buffers of buckets (None: a lone tensor's own memory)

@@ -15,14 +15,13 @@ memory is one gathered tensor besides its staging.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
 from . import _compat
-from ._buffers import tensor_bytes
 from ._errors import PdistError, RankMismatchError
 from ._group import Group
 
@@ -30,13 +29,10 @@ __all__ = [
     "Entry",
     "Gathered",
     "check_into",
-    "chunk_bytes",
     "entries_of",
-    "fill_range",
     "gather_along",
     "plain_wire",
     "sources",
-    "straight",
     "unfillable",
 ]
 
@@ -191,64 +187,6 @@ def plain_wire(wire: torch.Tensor, n: int, device: torch.device) -> torch.Tensor
         msg = f"a tensor's bytes came out on {wire.device}, not contiguous on {device}"
         raise TypeError(msg)
     return wire
-
-
-def _pieces(t: torch.Tensor, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int]]:
-    """Views of ``t`` covering its elements ``[start, stop)`` (row-major), with their offsets.
-
-    A partial row, whole rows, a partial row (recursively). ``t`` may have any strides (a
-    transposed tensor): at most ``2 * dim + 1`` views, and no contiguous copy of the whole
-    tensor is ever made.
-    """
-    if t.dim() == 0:
-        yield t, 0
-        return
-    row = t[0].numel() if t.shape[0] else 0
-    if row == 0 or stop <= start:
-        return
-    first, last = -(-start // row), stop // row  # the whole rows are [first, last)
-    if first > last:  # inside one row
-        r = start // row
-        yield from _pieces(t[r], start - r * row, stop - r * row)
-        return
-    if start < first * row:
-        yield from _pieces(t[first - 1], start - (first - 1) * row, row)
-    if last > first:
-        yield t[first:last], first * row - start
-    if stop > last * row:
-        for view, offset in _pieces(t[last], 0, stop - last * row):
-            yield view, offset + last * row - start
-
-
-def fill_range(dest: torch.Tensor, start: int, values: torch.Tensor) -> None:
-    """Write ``values`` into ``dest``'s elements from ``start`` on, in place (any strides)."""
-    for view, offset in _pieces(dest, start, start + values.numel()):
-        view.copy_(values[offset : offset + view.numel()].view(view.shape))
-
-
-def chunk_bytes(t: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Bytes ``[start, stop)`` of ``t``'s elements in row-major order, contiguous on ``device``.
-
-    A contiguous ``t`` is sliced (a view); any other (transposed, conjugate, negative) is
-    read piece by piece into a buffer of the chunk's size, never copied whole. Sliced in
-    its own dtype first, so that only that part moves to ``device`` and devices that cannot
-    view bytes (torch's lazy) still work.
-    """
-    size, t = t.element_size(), t.detach()
-    if straight(t, t.device):
-        part = t.reshape(-1)[start // size : stop // size]
-    else:
-        part = torch.empty((stop - start) // size, dtype=t.dtype, device=t.device)
-        for view, offset in _pieces(t, start // size, stop // size):
-            part[offset : offset + view.numel()].view(view.shape).copy_(view)
-    if part.device != device:
-        part = part.to(device)
-    return tensor_bytes(part)
-
-
-def straight(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``t``'s own memory holds its values in order on ``device`` (a wire as is)."""
-    return t.is_contiguous() and t.device == device and not (t.is_conj() or t.is_neg())
 
 
 def unfillable(t: torch.Tensor) -> str:

@@ -41,18 +41,15 @@ from ._buffers import allocate, tensor_bytes
 from ._errors import HEADER, PdistError, RankMismatchError
 from ._group import DistContext, Group, ProcessGroup, as_group
 from ._serialize import dtype_name, dtype_of
-from ._transfer import Planned, plan
+from ._transfer import Planned, chunk_bytes, direct, plan, straight, take
 from ._weight_tensors import (
     Entry,
     Gathered,
     check_into,
-    chunk_bytes,
     entries_of,
-    fill_range,
     gather_along,
     plain_wire,
     sources,
-    straight,
 )
 
 __all__ = [
@@ -69,11 +66,6 @@ logger = logging.getLogger("pdist")
 SYNC_BUCKET_BYTES = 64 << 20  # sync_model_states' buckets
 DIRECT_BYTES = 1 << 20  # tensors this large (or larger than a bucket) travel alone
 _VERSION = 1
-
-
-def _direct(t: torch.Tensor, e: Entry, device: torch.device) -> bool:
-    """Whether ``t``'s own memory can be the wire for ``e`` (no staging)."""
-    return t.dtype == e.dtype and straight(t, device)
 
 
 def _alone_bytes(bucket_bytes: int) -> int:
@@ -113,8 +105,7 @@ class WeightsMove:
         need = [
             s.nbytes
             for s in self.steps
-            if not self._chunk(s)
-            or (not self.is_src and not _direct(tensors[s.parts[0].tensor], *self._of(s)))
+            if not self._chunk(s) or (not self.is_src and not self._direct(s))
         ]
         # Allocated before the members agree to go on, so that a failure here raises on all.
         self.staging = allocate(max(need), group.device, what=what) if need else None
@@ -127,8 +118,10 @@ class WeightsMove:
     def _chunk(self, step: Planned) -> bool:
         return self.entries[step.parts[0].tensor].nbytes >= self.alone
 
-    def _of(self, step: Planned) -> tuple[Entry, torch.device]:
-        return self.entries[step.parts[0].tensor], self.group.device
+    def _direct(self, step: Planned) -> bool:
+        """Whether a receiver's tensor takes this chunk in its own memory (no staging)."""
+        i = step.parts[0].tensor
+        return direct(self.tensors[i], self.entries[i].dtype, self.group.device)
 
     def run(self) -> None:
         """Move every step; a local failure lets the others finish, then raises on every member.
@@ -190,21 +183,16 @@ class WeightsMove:
                 self._flat = None  # dropped before the next gather
                 self._flat = (i, self.tensors[i])
             return chunk_bytes(self._flat[1], start, stop, device)
-        if _direct(self.tensors[i], self.entries[i], device):
+        if self._direct(step):
             return tensor_bytes(self.tensors[i])[start:stop]
         return cast("torch.Tensor", staging)[: stop - start]
 
     def _unpack(self, step: Planned, wire: torch.Tensor) -> None:
         """A receiver's part after ``step`` moved: cast the staged bytes into place."""
-        if not self._chunk(step):
-            for i, off, _, n in step.parts:
-                e = self.entries[i]
-                self.tensors[i].copy_(wire[off : off + n].view(e.dtype).view(e.shape))
-            return
-        i, _, start, _ = step.parts[0]
-        t, e = self.tensors[i], self.entries[i]
-        if not _direct(t, e, self.group.device):  # any strides: written in place, chunk by chunk
-            fill_range(t, start // e.dtype.itemsize, wire.view(e.dtype))
+        if self._chunk(step) and self._direct(step):
+            return  # it landed in place
+        for part in step.parts:
+            take(part, wire, self.tensors[part.tensor], self.entries[part.tensor].dtype)
 
 
 def _metadata(entries: list[Entry], bucket_bytes: int) -> bytes:
