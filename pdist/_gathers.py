@@ -99,12 +99,8 @@ def _lay_out(
         _payload.tensors_of(d, [regions[b.kind].region(r) for b in d.buckets], g.device)
         for r, d in enumerate(decodeds)
     ]
-    me, buckets = g.rank_in_group, [] if encoded is None else encoded.buckets
-    sends = {}
-    for kind, reg in regions.items():
-        i = next((i for i, b in enumerate(buckets) if b.kind == kind), None)
-        fill = None if i is None or encoded is None else encoded.fills[i]
-        sends[kind] = reg.send(me, fill, i is not None and encoded is not None and encoded.lone(i))
+    fills = {} if encoded is None else {f.kind: f for f in encoded.fills}  # one per kind
+    sends = {kind: reg.send(g.rank_in_group, fills.get(kind)) for kind, reg in regions.items()}
     return _Layout(decodeds, regions, views, sends)
 
 

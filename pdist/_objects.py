@@ -80,9 +80,7 @@ def _broadcast(
     if not decoded.buckets and not decoded.specs:  # a skeleton alone (most small objects)
         return loads(decoded.skeleton, [], [], safe=safe)  # type: ignore[arg-type]
     kinds = [b.kind for b in decoded.buckets]
-    works = _transfer.broadcast_buckets(
-        group, list(zip(kinds, buffers, strict=True)), src, what=what, wait=False
-    )
+    works = _transfer.broadcast_buckets(group, kinds, buffers, src, what=what, wait=False)
     # The views are made while the buckets fill (a corrupt layout raises once they have);
     # unpickling waits for the data, since a leaf's __setstate__ may read its tensors.
     try:
@@ -116,9 +114,7 @@ def _broadcast_out(
     if not encoded.buckets:
         return obj
     packed, _ = _transfer.prepare(group, encoded.pack_all, what=what)
-    _transfer.broadcast_buckets(
-        group, list(zip(encoded.kinds, packed, strict=True)), src, what=what
-    )
+    _transfer.broadcast_buckets(group, encoded.kinds, packed, src, what=what)
     return obj
 
 

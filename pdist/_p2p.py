@@ -81,7 +81,7 @@ def _send_payload(
         return
     _agree.recv_status(g, peer, what=what)  # the receiver's status: raises if it failed
     pieces = [_part(flat, split).contiguous() for flat in packed]
-    _transfer.send_buckets(g, list(zip(encoded.kinds, pieces, strict=True)), peer, what=what)
+    _transfer.send_buckets(g, encoded.kinds, pieces, peer, what=what)
 
 
 def _recv_payload(
@@ -122,12 +122,12 @@ def _recv_payload(
     # The sender waits for this rank's answer only when buckets follow.
     _transfer.prepare(g, lambda: None, error=error, together=count > 0, peer=peer, what=what)
     assert decoded is not None
-    parts = [(b.kind, _part(data, split)) for b, data in zip(decoded.buckets, buffers, strict=True)]
-    _transfer.recv_buckets(g, parts, peer, what=what)
+    kinds, parts = [b.kind for b in decoded.buckets], [_part(data, split) for data in buffers]
+    _transfer.recv_buckets(g, kinds, parts, peer, what=what)
     if stage is not None:
         works = [
             _transfer.start_all_gather(stage, kind, data, part)
-            for (kind, part), data in zip(parts, buffers, strict=True)
+            for kind, data, part in zip(kinds, buffers, parts, strict=True)
         ]
         wait_all(stage, works, what)
     return loads(decoded.skeleton, tensors, decoded.storage, safe=checked)

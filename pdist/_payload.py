@@ -2,7 +2,7 @@
 
 ``encode`` pickles an object with its tensors set aside (``_serialize``); tensors
 below ``min_tensor_bytes`` travel inline in the body, the others as raw bytes in
-buckets per transport kind (``KINDS``), each bounded by ``bucket_bytes``.
+buckets per transport kind, each bounded by ``bucket_bytes`` (``_transfer.plan``).
 Receivers rebuild tensors as views of the buckets, on their own device. An
 object without tensors travels as ``[lean magic][skeleton]``. Nothing before the
 skeleton is pickle, every field a peer sends is checked, and nothing here moves data.
@@ -82,10 +82,6 @@ class Encoded:
     buckets: list[Bucket]
     fills: list[Fill]
     _staging: Staging | None = None
-
-    def lone(self, index: int) -> bool:
-        """Whether bucket ``index`` is one tensor sent in place (``pack`` copies nothing)."""
-        return self.fills[index].lone(self.buckets[index].nbytes)
 
     def _staged(self) -> Staging:
         if self._staging is None:  # allocated on first use

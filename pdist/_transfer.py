@@ -67,7 +67,8 @@ __all__ = [
 
 KINDS = ("cpu", "device")  # bytes over the CPU group, or the device group on its device
 T = TypeVar("T")
-Buckets = Sequence[tuple[str, torch.Tensor]]  # (transport kind, flat uint8 buffer) per bucket
+Kinds = Sequence[str]  # the transport kind of each bucket: "cpu" or "device"
+Buffers = Sequence[torch.Tensor]  # the flat uint8 buffer of each bucket
 
 
 def transport_device(kind: str, device: torch.device) -> torch.device:
@@ -330,15 +331,27 @@ def prepare(
 ) -> tuple[T, bool]:
     """``make()`` (unless ``error``), then every member learns whether every member could.
 
-    ``together``: data follows, so every member takes part in the status round
-    (``_agree.status``) and a failure raises the same error on all; with ``peer`` this
-    member is the receiving end of a point-to-point transfer, which answers that peer
-    (``_agree.send_status``). Without ``together`` nothing follows: a failure raises
-    on this member alone, as it would without a group. ``summary()``, made after
-    ``make``, travels as a digest in the same round.
+    The prepare step of a transfer: whatever allocates or checks before data moves runs
+    in ``make``, and its failure travels in the one status round, so that no member is
+    left waiting in a transfer that a failed member never joins.
+
+    Args:
+        group: The group of the transfer.
+        make: The prepare step (allocations, checks); not called when ``error`` is given.
+        what: The call, named in the errors.
+        error: A failure found before (a bad argument): it travels instead.
+        together: Data follows, so every member takes part (``_agree.status``); False:
+            nothing follows, and a failure raises on this member alone.
+        peer: This member is the receiving end of a point-to-point transfer: it answers
+            group index ``peer`` (``_agree.send_status``) instead of a round.
+        summary: Made after ``make``; its digest travels in the same round.
 
     Returns:
         What ``make`` made, and whether every member passed the same ``summary``.
+
+    Raises:
+        PdistError: On every member taking part, when one failed (``RemoteError`` naming
+            it; a member that failed raises its own error, as ``_agree`` does).
     """
     made: T | None = None
     if error is None:
@@ -358,32 +371,33 @@ def prepare(
     return cast("T", made), same
 
 
-def _finish(group: Group, works: list[Any], what: str, wait: bool) -> list[Any]:
-    if wait:
-        wait_all(group, works, what)
-        return []
-    return works
-
-
 def broadcast_buckets(
-    group: Group, buckets: Buckets, src: int, *, what: str, wait: bool = True
+    group: Group, kinds: Kinds, buffers: Buffers, src: int, *, what: str, wait: bool = True
 ) -> list[Any]:
-    """Broadcast each bucket from group index ``src`` (the works when not ``wait``)."""
+    """Broadcast each bucket (a transport kind, a buffer) from group index ``src``.
+
+    Returns:
+        The works, when not ``wait`` (else they were waited for).
+    """
     works = [
         _rooted.broadcast_from(flat, group.transport(kind), src, async_op=True)
-        for kind, flat in buckets
+        for kind, flat in zip(kinds, buffers, strict=True)
     ]
-    return _finish(group, works, what, wait)
+    if wait:
+        wait_all(group, works, what)
+    return [] if wait else works
 
 
-def send_buckets(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
+def send_buckets(group: Group, kinds: Kinds, buffers: Buffers, peer: int, *, what: str) -> None:
     """Send each bucket to group index ``peer``, which calls ``recv_buckets``."""
-    wait_all(group, [_rooted.isend_to(t, group.transport(k), peer) for k, t in buckets], what)
+    pairs = zip(kinds, buffers, strict=True)
+    wait_all(group, [_rooted.isend_to(t, group.transport(k), peer) for k, t in pairs], what)
 
 
-def recv_buckets(group: Group, buckets: Buckets, peer: int, *, what: str) -> None:
+def recv_buckets(group: Group, kinds: Kinds, buffers: Buffers, peer: int, *, what: str) -> None:
     """Receive each bucket from group index ``peer`` (its ``send_buckets``)."""
-    wait_all(group, [_rooted.irecv_from(t, group.transport(k), peer) for k, t in buckets], what)
+    pairs = zip(kinds, buffers, strict=True)
+    wait_all(group, [_rooted.irecv_from(t, group.transport(k), peer) for k, t in pairs], what)
 
 
 class Regions:
@@ -412,13 +426,13 @@ class Regions:
         """Member ``r``'s row of an even gather (its region and padding)."""
         return self.out[self.starts[r] : self.starts[r] + self.top]
 
-    def send(self, me: int, fill: Fill | None, lone: bool) -> torch.Tensor:
+    def send(self, me: int, fill: Fill | None) -> torch.Tensor:
         """This member's bytes to send: its own region, a row-sized buffer, or a lone tensor."""
         size, length = self.sizes[me], self.top if self.even else self.sizes[me]
         # A lone tensor travels in place, except where its region is what moves: an uneven
         # gather's receiving member sends from that region and rebuilds its own entry from it.
         in_place = size == length and (self.even or not self.out.numel())
-        if fill is not None and in_place and lone:
+        if fill is not None and in_place and fill.lone(size):
             return fill.pack(None)
         if self.out.numel():  # a receiving member rebuilds its own entry from its region
             flat = self.row(me) if self.even else self.region(me)

@@ -13,14 +13,14 @@ the receivers already know or can check. Three steps:
    contiguous, on the group's device) and nothing travels packed: then no member
    allocates, and none can fail. With the closing status, a weight sync into a
    running engine costs two small collectives besides the data; other calls three.
-2. **Plan** (a pure function of the metadata, so every member issues the same
-   broadcasts): tensors under ``DIRECT_BYTES`` are packed into buckets of at most
-   ``bucket_bytes``; larger ones travel alone, in chunks of at most ``bucket_bytes``.
-3. **Move.** A large tensor is received straight into its destination when that is
-   contiguous, of the wire's dtype and on the group's device (no copy); otherwise each chunk
-   lands in one staging buffer (at most ``bucket_bytes``) and is cast into place, as
-   ``load_state_dict``'s ``copy_`` would (a transposed one too: no copy of the whole).
-   Staging is never handed to a caller.
+2. **Plan** (``_transfer.plan``, a pure function of the metadata, so every member issues
+   the same broadcasts): tensors under ``DIRECT_BYTES`` are packed into buckets of at
+   most ``bucket_bytes``; larger ones travel alone, in chunks of at most ``bucket_bytes``.
+3. **Move** (``_transfer``). A large tensor is received straight into its destination when
+   that is contiguous, of the wire's dtype and on the group's device (no copy); otherwise
+   each chunk lands in one staging buffer (at most ``bucket_bytes``) and is cast into
+   place (``_transfer.take``), as ``load_state_dict``'s ``copy_`` would (a transposed one
+   too: no copy of the whole). Staging is never handed to a caller.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class WeightsMove:
                 failure = failure or exc
             if wire is None:  # the step could not be prepared: move the staging's bytes
                 wire = self._fallback(step)
-            _transfer.broadcast_buckets(self.group, [("device", wire)], self.src, what=self.what)
+            _transfer.broadcast_buckets(self.group, ["device"], [wire], self.src, what=self.what)
             if not self.is_src and failure is None:
                 try:
                     self._unpack(step, wire)
