@@ -22,7 +22,7 @@ from . import _plain
 from ._buffers import ALIGN, bytes_of, tensor_bytes
 from ._errors import PdistError
 from ._serialize import DTYPES, TensorSpec, dtype_name, dtype_of, dumps, loads, shaped
-from ._transfer import KINDS, Fill, Staging, fills, kind_of, plan, slabs, staging, transport_device
+from ._transfer import KINDS, Fill, Staging, fills, plan, slabs, staging, transport_device
 
 __all__ = [
     "KEEP_FACTOR",
@@ -124,6 +124,10 @@ def encode(
     inline: list[bytes] = []
     inline_size = 0
     bucketed: list[torch.Tensor] = []
+    placed: list[list[Any]] = []  # the records of ``bucketed``, placed by the plan
+    sizes: list[int] = []
+    kinds: list[str] = []
+    cpu_group = device.type == "cpu"
     for t, is_storage in entries:
         flags = (
             (GRAD if t.requires_grad else 0)
@@ -132,21 +136,21 @@ def encode(
             | (STORAGE if is_storage else 0)
         )
         nbytes = t.nbytes
+        code = dtypes.setdefault(t.dtype, len(dtypes))
+        record = [code, flags, -1, inline_size, t.shape]  # a tuple: JSON writes a list
+        records.append(record)
         if min_tensor_bytes is None or nbytes < min_tensor_bytes or nbytes == 0:
             inline.append(bytes_of(tensor_bytes(t).cpu()))
-            bucket, offset = -1, inline_size
             inline_size += nbytes
         else:
-            bucket, offset = len(bucketed), -1  # placed by the plan below
             bucketed.append(t)
-        code = dtypes.setdefault(t.dtype, len(dtypes))
-        records.append([code, flags, bucket, offset, t.shape])  # a tuple: JSON writes a list
-    kinds = [kind_of(t, device) for t in bucketed]
-    planned = plan([t.nbytes for t in bucketed], bucket_bytes, kinds=kinds)
-    where = {p.tensor: (b, p.offset) for b, bucket in enumerate(planned) for p in bucket.parts}
-    for r in records:
-        if r[3] < 0:
-            r[2], r[3] = where[r[2]]
+            placed.append(record)
+            sizes.append(nbytes)
+            kinds.append("cpu" if cpu_group or not flags & DEVICE else "device")
+    planned = plan(sizes, bucket_bytes, kinds=kinds)
+    for b, bucket in enumerate(planned):
+        for p in bucket.parts:
+            placed[p.tensor][2:4] = b, p.offset
     fills_ = fills(planned, bucketed, device)
     buckets = [Bucket(f.kind, (f.size + pad_to - 1) // pad_to * pad_to) for f in fills_]
     names = [dtype_name(d) for d in dtypes]

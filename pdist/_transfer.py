@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import _agree, _rooted, _seams
-from ._buffers import ALIGN, aligned, allocate, offsets, resolved, slab, tensor_bytes
+from ._buffers import ALIGN, allocate, offsets, resolved, slab, tensor_bytes
 from ._compat import all_gather_into
 from ._departures import wait_all
 from ._group import Group
@@ -52,7 +52,6 @@ __all__ = [
     "direct",
     "fills",
     "gather_regions",
-    "kind_of",
     "plan",
     "prepare",
     "recv_buckets",
@@ -74,11 +73,6 @@ Buffers = Sequence[torch.Tensor]  # the flat uint8 buffer of each bucket
 def transport_device(kind: str, device: torch.device) -> torch.device:
     """Where a transport kind's bytes live: the CPU for ``"cpu"``, else the group's ``device``."""
     return torch.device("cpu") if kind == "cpu" else device
-
-
-def kind_of(t: torch.Tensor, device: torch.device) -> str:
-    """The transport of ``t``'s bytes on a group on ``device``: a CPU tensor takes the CPU group."""
-    return "cpu" if t.is_cpu or device.type == "cpu" else "device"
 
 
 class Part(NamedTuple):
@@ -114,7 +108,7 @@ def plan(
     ``limit`` (aligned), while the open bucket stays open. Empty tensors take no part.
     """
     out: list[Planned] = []
-    open_: dict[str, tuple[int, list[Part], int]] = {}  # kind -> (first tensor, parts, bytes)
+    open_: dict[str, list[Any]] = {}  # kind -> [first tensor, parts, bytes used]
     chunk = max(limit // ALIGN * ALIGN, ALIGN)
     for i, n in enumerate(sizes):
         kind = "cpu" if kinds is None else kinds[i]
@@ -126,16 +120,21 @@ def plan(
                 for a in range(0, n, chunk)
             ]
             continue
-        first, parts, used = open_.get(kind, (i, [], 0))
-        offset = aligned(used)
-        if parts and offset + n > limit:
-            out.append(Planned(kind, tuple(parts), used))
-            first, parts, offset = i, [], 0
-        parts.append(Part(i, offset, 0, n))
-        open_[kind] = (first, parts, offset + n)
+        bucket = open_.get(kind)
+        offset = 0 if bucket is None else -(-bucket[2] // ALIGN) * ALIGN
+        if bucket is None or offset + n > limit:
+            if bucket is not None:
+                out.append(Planned(kind, tuple(bucket[1]), bucket[2]))
+            bucket = open_[kind] = [i, [], 0]
+            offset = 0
+        bucket[1].append(_new(Part, (i, offset, 0, n)))  # (a NamedTuple's own __new__ is slow)
+        bucket[2] = offset + n
     for kind, (_, parts, used) in sorted(open_.items(), key=lambda item: item[1][0]):
         out.append(Planned(kind, tuple(parts), used))
     return out
+
+
+_new = tuple.__new__
 
 
 def _typed(flat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
