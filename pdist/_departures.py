@@ -46,6 +46,7 @@ from ._errors import PdistError, PeerLeftError
 from ._group import Group, Lifetime
 
 __all__ = [
+    "HINT",
     "LINK_PREFIX",
     "PeerLeftError",
     "StoreGoneError",
@@ -226,29 +227,29 @@ def record(
         bounded(write)
 
 
-def _parse(rank: int, raw: str) -> _Left:
+def _parse_record(rank: int, raw: str) -> _Left:
     """A peer's record (plain text, never code): ``P|line`` or ``E<ranks>|line``."""
     head, _, line = raw.partition("|")
     after = tuple(int(x) for x in head[1:].split(",") if x.isdigit())
     return _Left(rank, head[:1] != _ECHO, after, line)
 
 
-def _records(conn: Store, prefix: str, ranks: Iterable[int]) -> list[_Left]:
+def _record_keys(conn: Store, prefix: str, ranks: Iterable[int]) -> list[_Left]:
     """The exit records of ``ranks`` that left one, in rank order (unbounded: bound it)."""
     wanted = sorted(set(ranks))
     if not wanted or conn.add(f"{prefix}/left/count", 0) == 0:
         return []
     keys = {r: f"{prefix}/left/{r}" for r in wanted}
     got = [(r, k) for r, k in keys.items() if conn.check([k])]
-    return [_parse(r, conn.get(k).decode(errors="replace")) for r, k in got]
+    return [_parse_record(r, conn.get(k).decode(errors="replace")) for r, k in got]
 
 
-def _read(lifetime: Lifetime, ranks: Iterable[int]) -> list[_Left]:
+def _read_records(lifetime: Lifetime, ranks: Iterable[int]) -> list[_Left]:
     """The exit records of ``ranks`` that left one, in rank order (bounded)."""
     if lifetime.exit_records is None:
         return []
     store, prefix = lifetime.exit_records
-    return bounded(lambda: _records(_calls(lifetime, store), prefix, ranks))
+    return bounded(lambda: _record_keys(_calls(lifetime, store), prefix, ranks))
 
 
 def _listen(group: Group) -> None:
@@ -408,9 +409,9 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     def look() -> tuple[list[int], set[int], list[_Left]]:
         conn = _calls(group.lifetime, store)  # made before the failure (a new one can be slow)
         missing, listening = _roll_call(conn, group, prefix)
-        left = _records(conn, prefix, others)
+        left = _record_keys(conn, prefix, others)
         cited = {r for x in left if not x.primary for r in x.after} - {*others, group.rank}
-        return missing, listening, left + _records(conn, prefix, cited)  # not members
+        return missing, listening, left + _record_keys(conn, prefix, cited)  # not members
 
     # A store that takes seconds to answer under load is not gone: a wide bound, and a
     # second look within it after a look that failed (a refused connect fails both at once;
@@ -441,22 +442,45 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     return PeerLeftError("; ".join([*lines, where]), ranks=causes)
 
 
-@contextlib.contextmanager
-def naming(group: Group, what: str) -> Iterator[None]:
-    """Collectives of ``what`` whose failure raises as ``explained``'s error, if any.
+_MISMATCH = ("mismatch", "does not match", "doesn't match")  # the backends' words
 
-    Wrap only communicator calls: a local ``RuntimeError`` would start a roll call, and
-    its peers, still in the collective, would not answer it. The first one of a block
-    starts this rank's roll-call thread (``_listen``).
+HINT = (
+    "turn on check mode (pdist.distributed(check=True) or PDIST_CHECK=1) and every rank "
+    "raises a RankMismatchError naming each rank's shapes and dtypes"
+)
+
+
+@contextlib.contextmanager
+def naming(group: Group, what: str, *, counted: bool = False) -> Iterator[None]:
+    """The one wrapper that turns a backend's failure of ``what`` into one naming its cause.
+
+    A peer that left its block is named (``explained``); else a size mismatch the backend
+    reports (rather than aborting the process, as gloo mostly does) gets check mode's
+    hint. ``counted``: a collective of its own, numbered per group name (``all_reduce
+    #6``), so that a survivor's message says which call of the job it was in. Wrap only
+    communicator calls: a local ``RuntimeError`` would start a roll call, and its peers,
+    still in the collective, would not answer it. The first one of a block starts this
+    rank's roll-call thread (``_listen``).
     """
+    if counted:
+        calls = group.lifetime.calls
+        calls[group.name] = number = calls.get(group.name, 0) + 1
+        what = f"{what} #{number}"
     _listen(group)
     try:
         yield
     except RuntimeError as exc:
         better = explained(group, what, exc)
-        if better is None:
+        if better is not None:
+            raise better from exc
+        text = str(exc).strip()
+        if isinstance(exc, PdistError) or not any(m in text.lower() for m in _MISMATCH):
             raise
-        raise better from exc
+        msg = (
+            f"{what} on group {group.name!r} (rank {group.rank}): the ranks' tensors "
+            f"do not match ({text.splitlines()[0]}); {HINT}"
+        )
+        raise PdistError(msg) from exc
 
 
 def wait_all(group: Group, works: Iterable[Any], what: str) -> None:
@@ -477,7 +501,7 @@ def left_block(lifetime: Lifetime, rank: int, world_size: int, exc: BaseExceptio
     if isinstance(exc, RuntimeError) and not isinstance(exc, PeerLeftError):
         # Perhaps a collective pdist does not run (DDP, a raw dist.all_reduce) failed.
         try:
-            left = _read(lifetime, (r for r in range(world_size) if r != rank))
+            left = _read_records(lifetime, (r for r in range(world_size) if r != rank))
         except StoreGoneError:
             lines = ["the rendezvous store does not answer: its host (rank 0) most likely exited"]
         else:

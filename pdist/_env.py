@@ -43,6 +43,7 @@ __all__ = [
     "resolve_layout",
     "resolve_settings",
     "stall_settings",
+    "timeout_seconds",
     "to_seconds",
     "world_comm_timeout",
 ]
@@ -576,3 +577,10 @@ def resolve_settings(
         adopt=adopted is not None,
         check=check or env_flag("PDIST_CHECK", False, env),
     )
+
+
+def timeout_seconds(timeout: float | timedelta | None) -> float:
+    """A ``timeout=`` argument in seconds; None: ``PDIST_TIMEOUT_SEC`` or the default."""
+    if timeout is None:
+        return env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC)
+    return to_seconds(timeout, "timeout")

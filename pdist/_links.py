@@ -223,12 +223,6 @@ def _device_and_backend(
     return _env.device_and_backend(device, backend, index, probe_accelerator())
 
 
-def _seconds(timeout: float | timedelta | None) -> float:
-    if timeout is None:
-        return _env.env_seconds("PDIST_TIMEOUT_SEC", _env.DEFAULT_TIMEOUT_SEC)
-    return _env.to_seconds(timeout, "timeout")
-
-
 def _communicators(
     label: str,
     store: Store,
@@ -306,7 +300,7 @@ def link(
     rank, size = _check_ranks(rank, world_size)
     label = f"link {name or 'link'!r} at {address}"
     resolved, backend_name = _device_and_backend(backend, device)
-    seconds = _seconds(timeout)
+    seconds = _env.timeout_seconds(timeout)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     join = _Join(label, rank, size, f"{_departures.LINK_PREFIX}{name or 'link'}/", seconds)

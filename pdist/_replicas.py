@@ -103,7 +103,7 @@ def _communication(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and where.startswith(_COMMUNICATING)
 
 
-def _first_difference(mine: Any, theirs: Any, path: str) -> str | None:
+def _state_difference(mine: Any, theirs: Any, path: str) -> str | None:
     """Where two state dicts differ in the shape or dtype of a tensor they both have."""
     if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
         if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
@@ -113,7 +113,7 @@ def _first_difference(mine: Any, theirs: Any, path: str) -> str | None:
             )
     elif isinstance(mine, Mapping) and isinstance(theirs, Mapping):
         for key in (k for k in mine if k in theirs):  # in order: the first difference
-            if (found := _first_difference(mine[key], theirs[key], f"{path}[{key!r}]")) is not None:
+            if (found := _state_difference(mine[key], theirs[key], f"{path}[{key!r}]")) is not None:
                 return found
     return None
 
@@ -309,7 +309,7 @@ class FaultTolerant:
                 msg = f"state[{name!r}] is missing on the source replica {members[source]!r}"
                 raise RankMismatchError(self._mismatch(msg))
             mine = obj.state_dict()
-            if (found := _first_difference(mine, received[name], f"state[{name!r}]")) is not None:
+            if (found := _state_difference(mine, received[name], f"state[{name!r}]")) is not None:
                 raise RankMismatchError(self._mismatch(found))
             try:
                 obj.load_state_dict(received[name])
@@ -380,12 +380,6 @@ class FaultTolerant:
             self.step += 1
 
 
-def _seconds(timeout: float | timedelta | None) -> float:
-    if timeout is None:
-        return _env.env_seconds("PDIST_TIMEOUT_SEC", _env.DEFAULT_TIMEOUT_SEC)
-    return _env.to_seconds(timeout, "timeout")
-
-
 @contextlib.contextmanager
 def fault_tolerant(
     ctx: DistContext,
@@ -434,7 +428,7 @@ def fault_tolerant(
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         msg = f"min_replicas={min_replicas!r} must be a positive int"
         raise ValueError(msg)
-    ft = FaultTolerant(ctx, address, rid, min_replicas, _seconds(timeout))
+    ft = FaultTolerant(ctx, address, rid, min_replicas, _env.timeout_seconds(timeout))
     try:
         ft.open(host.strip("[]"), int(port))
         yield ft
