@@ -72,8 +72,8 @@ GROUPS = (
     GroupSpec("ep", "expert"),
     GroupSpec("edp", "expert"),
 )
-SPECS = {spec.name: spec for spec in GROUPS}
-CONTEXT_GROUPS = tuple(SPECS)  # the groups every context holds as fields
+_SPECS = {spec.name: spec for spec in GROUPS}
+CONTEXT_GROUPS = tuple(_SPECS)  # the groups every context holds as fields
 CANONICAL = tuple(s.name for s in GROUPS if s.kind == "axis")  # the keyword form, slowest first
 KEYWORDS = tuple(s.name for s in reversed(GROUPS) if s.keyword)  # fastest first: tp, sp, cp, pp
 _INFERRED = next(s.name for s in GROUPS if s.kind == "axis" and not s.keyword)  # dp
@@ -164,7 +164,7 @@ class Layout:
             sizes = [
                 f"{a}={self.axis_size(a)}"
                 for a in KEYWORDS
-                if SPECS[a].always or self.axis_size(a) > 1
+                if _SPECS[a].always or self.axis_size(a) > 1
             ]
         else:
             sizes = [f"axes={dict(self.axes)!r}"]
@@ -179,9 +179,9 @@ class Layout:
 
     def flattened(self, axis: str) -> tuple[str, ...]:
         """The layout axes a group kind varies: an axis itself, ``dp_sp``'s, none when absent."""
-        kind = SPECS[axis].kind if axis in SPECS else None
+        kind = _SPECS[axis].kind if axis in _SPECS else None
         if kind == "flat":
-            return tuple(a for a in self.names if a in SPECS[axis].flattens)
+            return tuple(a for a in self.names if a in _SPECS[axis].flattens)
         if kind == "world":
             return self.names
         if axis in self.names:
@@ -216,6 +216,12 @@ class Layout:
         for (_, size), c in zip(self.axes, coords, strict=True):
             rank = rank * size + c
         return rank
+
+    def _base(self, rank: int, varied: Iterable[str]) -> int:
+        """The rank with ``rank``'s coordinates, but 0 on the ``varied`` axes."""
+        strides, varied = self._strides(), set(varied)
+        coords = zip(self.names, self.coords(rank), strict=True)
+        return rank - sum(c * strides[a] for a, c in coords if a in varied)
 
     def _offsets(self, varied: Iterable[str]) -> list[int]:
         """Sorted rank offsets spanned by the ``varied`` axes from a rank with their coords 0."""
@@ -261,13 +267,8 @@ class Layout:
 
     def group_of(self, axis: str, rank: int) -> Ranks:
         """The ranks of the ``axis`` group that contains ``rank``, in increasing order."""
-        coords = self.coords(rank)
         varied = self._stage_axes() if axis in EXPERT else self.flattened(axis)
-        strides = self._strides()
-        base = rank - sum(
-            c * strides[a] for a, c in zip(self.names, coords, strict=True) if a in varied
-        )
-        group = tuple(base + o for o in self._offsets(varied))
+        group = tuple(self._base(rank, varied) + o for o in self._offsets(varied))
         if axis not in EXPERT:
             return group
         i, ep = group.index(rank), self.ep  # group: the caller's stage
@@ -327,14 +328,9 @@ class Layout:
         ``names`` passed ``mesh_names``. Along each dim lie the caller's group of that
         kind; the caller's other coordinates stay fixed.
         """
-        coords = self.coords(rank)
         if any(n in EXPERT for n in names):
             return self._expert_mesh(names, rank)
-        strides = self._strides()
-        varied = {a for n in names for a in self.flattened(n)}
-        base = rank - sum(
-            c * strides[a] for a, c in zip(self.names, coords, strict=True) if a in varied
-        )
+        base = self._base(rank, {a for n in names for a in self.flattened(n)})
         dims = [self._offsets(self.flattened(n)) for n in names]
         ranks = tuple(base + sum(combo) for combo in itertools.product(*dims))
         return tuple(len(d) for d in dims), ranks
@@ -371,7 +367,7 @@ def _keyword_axes(world_size: int, sizes: Mapping[str, int]) -> list[tuple[str, 
         rest //= value
         done.append((name, value))
     full = {**sizes, _INFERRED: rest}
-    return [(a, full[a]) for a in CANONICAL if SPECS[a].always or full[a] > 1]
+    return [(a, full[a]) for a in CANONICAL if _SPECS[a].always or full[a] > 1]
 
 
 def _check_ep(ep: object, world_size: int, pp: int) -> int:
