@@ -521,11 +521,7 @@ def resolve_layout(
 ) -> Layout:
     """The layout of ``distributed()``'s size arguments (pure: the same error on every rank).
 
-    Args:
-        world_size: The number of ranks.
-        ep: The expert-parallel size.
-        axes: User-named axes, or None for the keyword form.
-        sizes: The keyword axes' sizes (``tp=``, ``sp=``, ``cp=``, ``pp=``).
+    ``sizes``: the keyword axes' (``tp=``, ``sp=``, ``cp=``, ``pp=``); ``axes``: user-named ones.
 
     Raises:
         TypeError: A size that is no int, or ``axes`` that is no mapping of str to int.
@@ -556,16 +552,9 @@ def resolve_settings(
 ) -> Settings:
     """``distributed()``'s arguments and the environment as ``Settings`` (pure).
 
-    Args:
-        request: ``distributed()``'s arguments.
-        environ: The environment (default ``os.environ``).
-        accelerator: The machine's accelerator (None on a CPU-only machine).
-        adopted: The initialized default group, if any.
-
-    Check mode is on when ``check`` is true or ``PDIST_CHECK`` says so.
-
-    Raises:
-        TypeError | ValueError: An argument or variable ``distributed()`` refuses, naming it.
+    Besides the ``request``: ``environ`` (default ``os.environ``), ``accelerator`` (None on a
+    CPU-only machine) and ``adopted`` (the initialized default group, if any). Check mode is
+    on when ``check`` is true or ``PDIST_CHECK`` says so.
     """
     r = request
     if not isinstance(r.check, bool):

@@ -386,10 +386,7 @@ def _check_ep(ep: object, world_size: int, pp: int) -> int:
 def make_layout(world_size: int, *, ep: int = 1, **sizes: int) -> Layout:
     """The keyword form: ``pp, dp, cp, sp, tp`` with ``dp`` inferred; ``pp``/``cp`` when > 1.
 
-    Args:
-        world_size: The number of ranks.
-        ep: The expert-parallel size.
-        sizes: The keyword axes' sizes (``tp=``, ``sp=``, ``cp=``, ``pp=``); 1 where absent.
+    ``sizes``: the keyword axes' (``tp=``, ``sp=``, ``cp=``, ``pp=``), 1 where absent.
 
     Raises:
         TypeError: A size is not an int (or is a bool), or a keyword names no keyword axis.
