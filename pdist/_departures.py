@@ -43,7 +43,7 @@ from typing import Any, NamedTuple, TypeVar
 from . import _compat
 from ._compat import PrefixStore, Store, TCPStore
 from ._errors import PdistError, PeerLeftError
-from ._group import Group, Lifetime
+from ._group import Group, Lifetime, RollCall
 
 __all__ = [
     "HINT",
@@ -71,8 +71,6 @@ _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's depart
 # How long a rank's roll-call thread waits for a roll call (bounded, principle 15; a store
 # wait that times out makes torch log, so it is long). It ends with the store, or on a call.
 _LISTEN = timedelta(hours=1)
-_LISTENER = "_pdist_roll_call"  # the Lifetime attribute: this block's thread is started
-_CALLS = "_pdist_store_calls"  # the Lifetime attribute: the block's connection for short calls
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
     for m in (sys.modules["torch"], sys.modules[__name__.rsplit(".", 1)[0]])
@@ -264,14 +262,14 @@ def _listen(group: Group) -> None:
     not the store (a link's member 0 must be able to free its port).
     """
     lifetime = group.lifetime
-    if lifetime.exit_records is None or group.world_size == 1 or _LISTENER in vars(lifetime):
+    if lifetime.exit_records is None or group.world_size == 1 or lifetime.roll_call is not None:
         return
-    mine = object()
-    if vars(lifetime).setdefault(_LISTENER, mine) is not mine:
-        return  # another thread of this rank started it
     store, prefix = lifetime.exit_records
     call, here = f"{prefix}/roll/{group.rank}", f"{prefix}/here/{group.rank}"
-    ready = threading.Event()
+    listener = RollCall(call=call)
+    if not lifetime.claim_roll_call(listener):
+        return  # another thread of this rank started it
+    ready = listener.ready
 
     def run() -> None:
         try:
@@ -282,7 +280,7 @@ def _listen(group: Group) -> None:
             if conn is None:
                 return
             conn.set(f"{prefix}/listening/{group.rank}", "1")
-            vars(lifetime)[_CALLS] = _connection(store)
+            listener.connection = _connection(store)
         except Exception:  # no store to answer through: this rank is "not known"
             return
         finally:
@@ -291,13 +289,13 @@ def _listen(group: Group) -> None:
 
     thread = threading.Thread(target=run, name="pdist-roll-call", daemon=True)
     thread.start()
-    vars(lifetime)[_LISTENER] = (call, thread, ready)  # closing the block ends the thread
+    listener.thread = thread  # closing the block ends the thread
     ready.wait(_WAIT)
 
 
 def _calls(lifetime: Lifetime, store: Store) -> Store:
     """The block's connection for short calls, or a new one if it has none (yet)."""
-    conn = vars(lifetime).get(_CALLS)
+    conn = lifetime.roll_call.connection if lifetime.roll_call is not None else None
     return conn if conn is not None else _connection(store)
 
 
@@ -307,18 +305,18 @@ def stop_listening(lifetime: Lifetime) -> None:
     Its wait would otherwise hold a store connection for up to ``_LISTEN`` after the block
     (the launcher's store outlives it); a rank that left through an error ended it already.
     """
-    listener = vars(lifetime).get(_LISTENER)
-    if lifetime.exit_records is None or lifetime.store_gone or not isinstance(listener, tuple):
-        return
-    store = lifetime.exit_records[0]
-    call, thread, ready = listener
+    listener = lifetime.roll_call
+    records = lifetime.exit_records
+    if records is None or lifetime.store_gone or listener is None or listener.thread is None:
+        return  # no thread started (yet)
+    store, call, thread, ready = records[0], listener.call, listener.thread, listener.ready
     # A thread still connecting would be inside torch's client as the process exits (an
     # abort): a late connection is waited for, within two store waits.
     ready.wait(2 * _WAIT)
     with contextlib.suppress(StoreGoneError):
         bounded(lambda: _calls(lifetime, store).set(call, "exit"))
         thread.join(_STORE_TIMEOUT)  # no pdist thread outlives a clean block
-    vars(lifetime).pop(_CALLS, None)  # its connection closes with the block
+    listener.connection = None  # its connection closes with the block
 
 
 def _answer(conn: Store, call: str, here: str) -> None:

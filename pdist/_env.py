@@ -19,7 +19,7 @@ from typing import Any, Literal, overload
 import attrs
 import torch
 
-from ._layout import Layout, make_axes_layout, make_layout
+from ._layout import KEYWORDS, Layout, make_axes_layout, make_layout
 
 __all__ = [
     "DEFAULT_BACKENDS",
@@ -33,7 +33,9 @@ __all__ = [
     "Accelerator",
     "Adopted",
     "Launch",
+    "Request",
     "Settings",
+    "collective_seconds",
     "deadline_seconds",
     "detect_launch",
     "device_and_backend",
@@ -43,7 +45,6 @@ __all__ = [
     "resolve_layout",
     "resolve_settings",
     "stall_settings",
-    "timeout_seconds",
     "to_seconds",
     "world_comm_timeout",
 ]
@@ -261,6 +262,33 @@ class Adopted:
 
 
 @attrs.frozen(kw_only=True)
+class Request:
+    """``distributed()``'s arguments as the caller passed them; ``resolve_settings`` checks them.
+
+    ``sizes``: the layout keywords given (``tp=``, ``sp=``, ``cp=``, ``pp=``: the keyword
+    axes of ``_layout.GROUPS``), by name; ``store_given``: a store was passed in. The other
+    fields are ``distributed()``'s arguments of the same names.
+    """
+
+    sizes: Mapping[str, int] = attrs.field(factory=dict)
+    ep: int = 1
+    axes: Mapping[str, int] | None = None
+    backend: str | None = None
+    device: str | torch.device | int | None = None
+    timeout: float | timedelta | None = None
+    startup_timeout: float | timedelta | None = None
+    l2_fetch_granularity: int | None = None
+    stall_timeout: float | timedelta | None = None
+    on_stall: str = DEFAULT_ON_STALL
+    check: bool = False
+    store_given: bool = False
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    cpu_affinity: bool = True
+
+
+@attrs.frozen(kw_only=True)
 class Settings:
     """Everything ``distributed()`` needs to know before it touches torch.distributed.
 
@@ -376,12 +404,22 @@ def device_and_backend(
     backend: str | None,
     index: int,
     accelerator: Accelerator | None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[torch.device, str]:
     """A device and backend as ``distributed()`` resolves them (``index``: the default one)."""
-    requested = backend if backend is not None else env_backend()
+    requested = backend if backend is not None else env_backend(environ)
     source = "backend" if backend is not None else "PDIST_BACKEND"
     resolved = _resolve_device(device, requested, index, accelerator)
     return resolved, _resolve_backend(requested, resolved, accelerator, source)
+
+
+def collective_seconds(
+    timeout: float | timedelta | None, environ: Mapping[str, str] | None = None
+) -> float:
+    """A collective timeout argument as seconds: None reads ``PDIST_TIMEOUT_SEC`` (1800 s)."""
+    if timeout is None:
+        return env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=environ)
+    return to_seconds(timeout, "timeout")
 
 
 def _off_or_seconds(value: float | timedelta, name: str) -> float | None:
@@ -479,16 +517,11 @@ def _l2_fetch_granularity(value: object) -> int | None:
 
 
 def resolve_layout(
-    world_size: int,
-    *,
-    tp: int = 1,
-    sp: int = 1,
-    cp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    axes: Mapping[str, int] | None = None,
+    world_size: int, *, ep: int = 1, axes: Mapping[str, int] | None = None, **sizes: int
 ) -> Layout:
     """The layout of ``distributed()``'s size arguments (pure: the same error on every rank).
+
+    ``sizes``: the keyword axes' (``tp=``, ``sp=``, ``cp=``, ``pp=``); ``axes``: user-named ones.
 
     Raises:
         TypeError: A size that is no int, or ``axes`` that is no mapping of str to int.
@@ -496,16 +529,13 @@ def resolve_layout(
             do not fit the world (see ``make_layout``).
     """
     if axes is None:
-        return make_layout(world_size, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep)
-    given = {
-        n: v
-        for n, v in (("tp", tp), ("sp", sp), ("cp", cp), ("pp", pp))
-        if type(v) is not int or v != 1
-    }
+        return make_layout(world_size, ep=ep, **sizes)
+    given = {n: sizes[n] for n in KEYWORDS if n in sizes}  # in the keywords' order
+    given = {n: v for n, v in given.items() if type(v) is not int or v != 1}
     if given:
         shown = ", ".join(f"{n}={v!r}" for n, v in given.items())
         msg = (
-            f"axes= excludes the tp/sp/cp/pp keywords, but {shown} was given as well; "
+            f"axes= excludes the {'/'.join(KEYWORDS)} keywords, but {shown} was given as well; "
             f"name every axis inside axes, e.g. axes={{'dp': -1, {next(iter(given))!r}: "
             f"{next(iter(given.values()))!r}}}"
         )
@@ -514,73 +544,43 @@ def resolve_layout(
 
 
 def resolve_settings(
+    request: Request,
     *,
-    tp: int = 1,
-    sp: int = 1,
-    cp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    axes: Mapping[str, int] | None = None,
-    backend: str | None = None,
-    device: str | torch.device | int | None = None,
-    timeout: float | timedelta | None = None,
-    startup_timeout: float | timedelta | None = None,
-    l2_fetch_granularity: int | None = None,
-    stall_timeout: float | timedelta | None = None,
-    on_stall: str = DEFAULT_ON_STALL,
-    check: bool = False,
-    store_given: bool = False,
-    rank: int | None = None,
-    world_size: int | None = None,
-    local_rank: int | None = None,
-    cpu_affinity: bool = True,
     environ: Mapping[str, str] | None = None,
     accelerator: Accelerator | None = None,
     adopted: Adopted | None = None,
 ) -> Settings:
     """``distributed()``'s arguments and the environment as ``Settings`` (pure).
 
-    Besides ``distributed()``'s: ``store_given`` (a store was passed in), ``accelerator``
-    (None on a CPU-only machine) and ``adopted`` (the initialized default group, if any).
-    Check mode is on when ``check`` is true or ``PDIST_CHECK`` says so.
+    Besides the ``request``: ``environ`` (default ``os.environ``), ``accelerator`` (None on a
+    CPU-only machine) and ``adopted`` (the initialized default group, if any). Check mode is
+    on when ``check`` is true or ``PDIST_CHECK`` says so.
     """
-    if not isinstance(check, bool):
-        msg = f"check={check!r} must be True or False"
+    r = request
+    if not isinstance(r.check, bool):
+        msg = f"check={r.check!r} must be True or False"
         raise TypeError(msg)
     env = os.environ if environ is None else environ
-    overrides = {"rank": rank, "world_size": world_size, "local_rank": local_rank}
-    launch = _launch(env, overrides, adopted, store_given)
-    layout = resolve_layout(launch.world_size, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, axes=axes)
-    requested = backend if backend is not None else env_backend(env)
-    source = "backend" if backend is not None else "PDIST_BACKEND"
-    resolved_device = _resolve_device(device, requested, launch.local_rank, accelerator)
-    resolved_backend = _resolve_backend(requested, resolved_device, accelerator, source)
-    if timeout is None:
-        seconds = env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=env)
-    else:
-        seconds = to_seconds(timeout, "timeout")
+    overrides = {"rank": r.rank, "world_size": r.world_size, "local_rank": r.local_rank}
+    launch = _launch(env, overrides, adopted, r.store_given)
+    layout = resolve_layout(launch.world_size, ep=r.ep, axes=r.axes, **r.sizes)
+    device, backend = device_and_backend(r.device, r.backend, launch.local_rank, accelerator, env)
+    seconds = collective_seconds(r.timeout, env)
     sub_seconds = env_seconds("PDIST_SUBGROUP_TIMEOUT_SEC", seconds, environ=env)
-    stall, mode, answer = stall_settings(stall_timeout, on_stall, env)
+    stall, mode, answer = stall_settings(r.stall_timeout, r.on_stall, env)
     return Settings(
         launch=launch,
         layout=layout,
-        backend=resolved_backend if adopted is None else adopted.backend,
-        device=resolved_device,
+        backend=backend if adopted is None else adopted.backend,
+        device=device,
         timeout=timedelta(seconds=seconds),
         subgroup_timeout=timedelta(seconds=sub_seconds),
-        startup_timeout=deadline_seconds(startup_timeout, "startup_timeout", env),
-        l2_fetch_granularity=_l2_fetch_granularity(l2_fetch_granularity),
+        startup_timeout=deadline_seconds(r.startup_timeout, "startup_timeout", env),
+        l2_fetch_granularity=_l2_fetch_granularity(r.l2_fetch_granularity),
         stall_timeout=stall,
         on_stall=mode,
         stall_answer=answer,
-        cpu_affinity=bool(cpu_affinity),
+        cpu_affinity=bool(r.cpu_affinity),
         adopt=adopted is not None,
-        check=check or env_flag("PDIST_CHECK", False, env),
+        check=r.check or env_flag("PDIST_CHECK", False, env),
     )
-
-
-def timeout_seconds(timeout: float | timedelta | None) -> float:
-    """A ``timeout=`` argument in seconds; None: ``PDIST_TIMEOUT_SEC`` or the default."""
-    if timeout is None:
-        return env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC)
-    return to_seconds(timeout, "timeout")

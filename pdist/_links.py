@@ -31,7 +31,7 @@ from . import _compat, _departures, _env
 from ._compat import PrefixStore, Store, TCPStore
 from ._context import probe_accelerator
 from ._errors import PdistError
-from ._group import Group, Lifetime, ProcessGroup
+from ._group import Group, ProcessGroup, standalone_group
 
 __all__ = ["link"]
 
@@ -300,11 +300,11 @@ def link(
     rank, size = _check_ranks(rank, world_size)
     label = f"link {name or 'link'!r} at {address}"
     resolved, backend_name = _device_and_backend(backend, device)
-    seconds = _env.timeout_seconds(timeout)
+    seconds = _env.collective_seconds(timeout)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     join = _Join(label, rank, size, f"{_departures.LINK_PREFIX}{name or 'link'}/", seconds)
-    lifetime = Lifetime()
+    group: Group | None = None
     pgs: list[ProcessGroup] = []
     failed = True
     try:
@@ -316,31 +316,29 @@ def link(
             label, cast("Store", store), join.prefix, rank, size, backend_name, resolved, wait
         )
         pgs += [cpu] if device_pg is cpu else [cpu, device_pg]
-        group = Group(
-            name=name or "link",
-            ranks=tuple(range(size)),
-            rank=rank,
-            rank_in_group=rank,
-            device=resolved,
-            timeout=wait,
-            lifetime=lifetime,
-            device_key=lifetime.add(device_pg, created=False),
-            cpu_key=lifetime.add(cpu, created=False),
-        )
         # Members that leave through an exception say so in the link's store, and the
         # survivors of a failed collective name them (or find them by a roll call).
-        lifetime.exit_records = (cast("Store", store), f"{join.prefix}exits")
+        group = standalone_group(
+            name=name or "link",
+            rank=rank,
+            size=size,
+            device=resolved,
+            timeout=wait,
+            device_group=device_pg,
+            cpu_group=cpu,
+            exit_records=(cast("Store", store), f"{join.prefix}exits"),
+        )
         try:
             yield group
         except (Exception, SystemExit) as exc:
-            _departures.record(lifetime, rank, exc)
+            _departures.record(group.lifetime, rank, exc)
             raise
         failed = False
     finally:
-        _departures.stop_listening(lifetime)
-        store = None  # member 0's server goes with the last reference: free the port
-        lifetime.exit_records = None
-        lifetime.close()
+        if group is not None:
+            _departures.stop_listening(group.lifetime)
+            group.lifetime.close()  # drops its store: member 0's server goes with the last one
+        store = None  # and frees the port
         join.leave(failed)
         for pg in reversed(pgs):
             try:

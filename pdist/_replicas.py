@@ -42,7 +42,7 @@ from . import _compat, _env
 from ._compat import PrefixStore, Store, TCPStore
 from ._departures import PeerLeftError, summary
 from ._errors import PdistError, RankMismatchError, RemoteError
-from ._group import DistContext, Group, Lifetime, ProcessGroup
+from ._group import DistContext, Group, ProcessGroup, standalone_group
 from ._objects import broadcast_object
 from ._p2p import recv_object, send_object
 
@@ -239,21 +239,16 @@ class FaultTolerant:
             raise PeerLeftError(
                 f"fault_tolerant: building quorum {q}'s group failed ({exc})"
             ) from exc
-        lifetime = Lifetime()
-        self._group, self._members = (
-            Group(
-                name=f"ft/c{self.ctx.rank}",
-                ranks=tuple(range(size)),
-                rank=index,
-                rank_in_group=index,
-                device=device,
-                timeout=wait,
-                lifetime=lifetime,
-                device_key=lifetime.add(tensors, created=False),
-                cpu_key=lifetime.add(cpu, created=False),
-            ),
-            (*members, *info["tokens"]),
+        self._group = standalone_group(
+            name=f"ft/c{self.ctx.rank}",
+            rank=index,
+            size=size,
+            device=device,
+            timeout=wait,
+            device_group=tensors,
+            cpu_group=cpu,
         )
+        self._members = (*members, *info["tokens"])
         return self._group
 
     def _arrive(self, q: int, store: Store, size: int) -> None:
@@ -428,7 +423,7 @@ def fault_tolerant(
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         msg = f"min_replicas={min_replicas!r} must be a positive int"
         raise ValueError(msg)
-    ft = FaultTolerant(ctx, address, rid, min_replicas, _env.timeout_seconds(timeout))
+    ft = FaultTolerant(ctx, address, rid, min_replicas, _env.collective_seconds(timeout))
     try:
         ft.open(host.strip("[]"), int(port))
         yield ft

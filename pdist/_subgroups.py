@@ -164,19 +164,17 @@ def _require(group: Group | None, name: str) -> Group:
     return group
 
 
-def build_axes(
-    world: Group, layout: Layout, *, timeout: timedelta, settings: str = ""
-) -> dict[str, Group]:
+def build_axes(world: Group, layout: Layout, *, settings: str = "") -> dict[str, Group]:
     """The caller's group of every name in ``layout.group_names``, once all ranks agree on it.
 
     Ranks that built different partitions would each get a group the others never join.
     ``settings``: the other settings every rank must share, agreed in the same exchange.
     The axes are built fastest first (then the one-rank groups of absent canonical axes,
-    then ``dp_sp``, ``ep``, ``edp``): a partition equal to one built before reuses it.
+    then the derived groups): a partition equal to one built before reuses it.
     """
     agreed = ", ".join(filter(None, [layout.describe(), settings]))
     _agree.check_same(world, "distributed()", agreed, None)
-    world.lifetime.subgroup_timeout = timeout
+    timeout = _subgroup_timeout(world)
     order = (*reversed(layout.names), *layout.group_names[len(layout.names) :])
     return {
         axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
@@ -199,7 +197,8 @@ def _patched(ctx: DistContext, group: Group, axis: str) -> DistContext:
     if ctx.rank not in group.ranks:
         msg = f"group {group.name!r} with ranks {group.ranks} does not contain rank {ctx.rank}"
         raise ValueError(msg)
-    return attrs.evolve(ctx, tp=group) if axis == "tp" else attrs.evolve(ctx, sp=group)
+    changes: dict[str, Any] = {axis: group}
+    return attrs.evolve(ctx, **changes)
 
 
 @contextlib.contextmanager
@@ -230,12 +229,13 @@ def patch_sp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     yield _patched(ctx, group, "sp")
 
 
-def _subgroup_timeout(ctx: DistContext) -> timedelta:
-    """The subgroups' timeout, not a reused world's."""
-    return ctx.world.lifetime.subgroup_timeout or ctx.tp.timeout
+def _subgroup_timeout(world: Group) -> timedelta:
+    """The subgroups' timeout (``PDIST_SUBGROUP_TIMEOUT_SEC``), not a reused world's."""
+    return world.lifetime.subgroup_timeout or world.timeout
 
 
-def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) -> Group:
+def _consecutive(ctx: DistContext, size: int, name: str | None, axis: str) -> Group:
+    """``axis`` groups of ``size`` consecutive ranks (``new_tp_group``, ``new_sp_group``)."""
     _check_ctx(ctx)
     ctx.world.lifetime.check_open()
     try:
@@ -245,9 +245,9 @@ def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) ->
         blocks, error = consecutive_groups(ctx.world_size, size, name="size"), None
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
-    label = name if isinstance(name, str) and name else default
+    label = name if isinstance(name, str) and name else f"{axis}{size}"
     _agree.check_same(ctx.world, f"new group {label!r}", f"size={size!r}, name={name!r}", error)
-    timeout = _subgroup_timeout(ctx)
+    timeout = _subgroup_timeout(ctx.world)
     group = build_partition(ctx.world, label, blocks, timeout=timeout, named=True)
     return _require(group, label)
 
@@ -272,7 +272,7 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
         RankMismatchError: Ranks passed different sizes (on every rank).
         PdistError: The context is closed.
     """
-    return _consecutive(ctx, size, name, f"tp{size}")
+    return _consecutive(ctx, size, name, "tp")
 
 
 def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
@@ -281,7 +281,7 @@ def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
     As [`new_tp_group`][pdist.new_tp_group], for a sequence-parallel group (use it with
     [`patch_sp`][pdist.patch_sp]).
     """
-    return _consecutive(ctx, size, name, f"sp{size}")
+    return _consecutive(ctx, size, name, "sp")
 
 
 def _check_rank_lists(rank_lists: object, world_size: int) -> Blocks:
@@ -367,7 +367,9 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
     except (TypeError, ValueError) as exc:
         blocks, error = (), exc
     _agree.check_same(ctx.world, f"new_group(name={name!r})", f"{blocks!r}, name={name!r}", error)
-    return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx), named=True)
+    return build_partition(
+        ctx.world, name, blocks, timeout=_subgroup_timeout(ctx.world), named=True
+    )
 
 
 def _flatten_axes(ctx: DistContext, axes: tuple[object, ...]) -> tuple[str, ...]:
@@ -428,7 +430,7 @@ def flatten(ctx: DistContext, *axes: str) -> Group:
     label = "_".join(names)
     blocks = ctx.layout.flatten(names)
     return _require(
-        build_partition(ctx.world, label, blocks, timeout=_subgroup_timeout(ctx)), label
+        build_partition(ctx.world, label, blocks, timeout=_subgroup_timeout(ctx.world)), label
     )
 
 
