@@ -119,21 +119,11 @@ class _Distributed:
         return s.stall_timeout is not None and s.launch.world_size > 1
 
     def _start_watch(self, ctx: DistContext) -> None:
-        settings = self._settings
-        if not self._watched() or self._block is None or settings.stall_timeout is None:
+        if not self._watched() or self._block is None:
             return
         store, prefix = self._block
-        self._watch = _stall.Watch(
-            lifetime=ctx.world.lifetime,
-            rank=settings.launch.rank,
-            world_size=settings.launch.world_size,
-            stall_timeout=settings.stall_timeout,
-            on_stall=settings.on_stall,
-            answer=settings.stall_answer,
-            store=store,
-            prefix=prefix,
-            hosts_store=self._hosts_store,
-        )
+        lifetime = ctx.world.lifetime
+        self._watch = _stall.Watch(self._settings, lifetime, store, prefix, self._hosts_store)
         self._watch.start([ctx.group(name) for name in ctx.layout.context_groups])
 
     def _bind_device(self) -> None:
@@ -247,7 +237,7 @@ class _Distributed:
         deadline.stage = "detecting which ranks share a host"
         nodes = _topology.node_partition(world)
         deadline.stage = "building the node groups"
-        node = _subgroups.build_partition(world, "node", nodes, timeout=settings.subgroup_timeout)
+        node = _subgroups.build_partition(world, "node", nodes)
         assert node is not None  # the hosts cover the world
         groups.update(world=world, node=node)
         ctx = DistContext(

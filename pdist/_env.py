@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal, overload
+from typing import Any
 
 import attrs
 import torch
@@ -107,30 +107,25 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
     """Read the launcher's variables: torchrun's first, then SLURM's, else a one-rank world."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        launch = Launch(
-            launcher="torchrun",
-            rank=_int_var(env, "RANK"),
-            world_size=_int_var(env, "WORLD_SIZE"),
-            local_rank=_int_var(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
-        )
+        launcher, names = "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        addr, port = env.get("MASTER_ADDR"), None
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher, names = "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
         job_id = _int_var(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
-        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
-        launch = Launch(
-            launcher="slurm",
-            rank=_int_var(env, "SLURM_PROCID"),
-            world_size=_int_var(env, "SLURM_NTASKS"),
-            local_rank=_int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            master_addr=addr or "127.0.0.1",
-            # A port derived from the job id keeps two jobs sharing a node apart.
-            master_port=(
-                _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + job_id % 20000
-            ),
-        )
+        first = _first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
+        addr = env.get("MASTER_ADDR") or first or "127.0.0.1"
+        port = 20000 + job_id % 20000  # derived from the job: two jobs sharing a node stay apart
     else:
         return Launch(launcher="none", rank=0, world_size=1, local_rank=0)
+    rank, world_size, local_rank = names
+    launch = Launch(
+        launcher=launcher,
+        rank=_int_var(env, rank),
+        world_size=_int_var(env, world_size),
+        local_rank=_int_var(env, local_rank) if local_rank in env else 0,
+        master_addr=addr,
+        master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else port,
+    )
     if launch.world_size < 1 or launch.rank >= launch.world_size:
         msg = (
             f"launcher {launch.launcher!r} gave rank={launch.rank} and "
@@ -155,36 +150,17 @@ def to_seconds(value: float | timedelta, name: str) -> float:
     return seconds
 
 
-@overload
-def env_seconds(
-    name: str,
-    default: float,
-    *,
-    zero_means_forever: Literal[False] = False,
-    environ: Mapping[str, str] | None = None,
-) -> float: ...
-
-
-@overload
-def env_seconds(
-    name: str,
-    default: float,
-    *,
-    zero_means_forever: bool,
-    environ: Mapping[str, str] | None = None,
-) -> float | None: ...
-
-
 def env_seconds(
     name: str,
     default: float,
     *,
     zero_means_forever: bool = False,
     environ: Mapping[str, str] | None = None,
-) -> float | None:
+) -> float:
     """Seconds from the variable ``name``; unset gives ``default``, so does a bad value (warning).
 
-    ``0`` gives None (forever) when ``zero_means_forever``, else it is bad too.
+    ``0`` gives ``0.0`` (forever: the caller reads it so) when ``zero_means_forever``, else it
+    is bad too.
     """
     env = os.environ if environ is None else environ
     raw = env.get(name, "").strip()
@@ -195,7 +171,7 @@ def env_seconds(
     except ValueError:
         seconds = math.nan
     if seconds == 0 and zero_means_forever:
-        return None
+        return 0.0
     if not math.isfinite(seconds) or seconds <= 0:
         expected = "a finite number >= 0" if zero_means_forever else "a finite number > 0"
         msg = "pdist: ignoring %s=%r (expected %s of seconds); using the default %gs"
@@ -231,7 +207,7 @@ def env_backend(environ: Mapping[str, str] | None = None) -> str | None:
 def world_comm_timeout(environ: Mapping[str, str] | None = None) -> float | None:
     """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever)."""
     name, default = "PDIST_WORLD_COMM_TIMEOUT_SEC", DEFAULT_WORLD_COMM_TIMEOUT_SEC
-    return env_seconds(name, default, zero_means_forever=True, environ=environ)
+    return env_seconds(name, default, zero_means_forever=True, environ=environ) or None
 
 
 KNOWN_BACKENDS = ("gloo", "nccl", "xccl", "hccl", "mpi", "ucc")
@@ -463,7 +439,7 @@ def stall_settings(
     env = os.environ if environ is None else environ
     if stall_timeout is None:
         name, default = "PDIST_STALL_TIMEOUT_SEC", DEFAULT_STALL_TIMEOUT_SEC
-        seconds = env_seconds(name, default, zero_means_forever=True, environ=env)
+        seconds = env_seconds(name, default, zero_means_forever=True, environ=env) or None
     else:
         seconds = _off_or_seconds(stall_timeout, "stall_timeout")
     answer = env_seconds("PDIST_STALL_ANSWER_SEC", DEFAULT_STALL_ANSWER_SEC, environ=env)

@@ -62,6 +62,20 @@ class Built:
     member: bool
     timeout: timedelta
 
+    def group(self, name: str, rank: int, device: torch.device, lifetime: Lifetime) -> Group:
+        """The Group of global rank ``rank``, one of ``ranks``, over these keys of ``lifetime``."""
+        return Group(
+            name=name,
+            ranks=self.ranks,
+            rank=rank,
+            rank_in_group=self.ranks.index(rank),
+            device=device,
+            timeout=self.timeout,
+            lifetime=lifetime,
+            device_key=self.device_key,
+            cpu_key=self.cpu_key,
+        )
+
 
 @attrs.define(kw_only=True, eq=False)
 class RollCall:
@@ -326,17 +340,9 @@ def standalone_group(
     ``exit_records``: where its members record why they left (see ``Lifetime``).
     """
     lifetime = Lifetime(exit_records=exit_records)
-    return Group(
-        name=name,
-        ranks=tuple(range(size)),
-        rank=rank,
-        rank_in_group=rank,
-        device=device,
-        timeout=timeout,
-        lifetime=lifetime,
-        device_key=lifetime.add(device_group, created=False),
-        cpu_key=lifetime.add(cpu_group, created=False),
-    )
+    device_key, cpu_key = (lifetime.add(pg, created=False) for pg in (device_group, cpu_group))
+    built = Built(tuple(range(size)), device_key, cpu_key, True, timeout)
+    return built.group(name, rank, device, lifetime)
 
 
 @attrs.frozen(kw_only=True)

@@ -16,6 +16,7 @@ groups is built from two sorted offset lists in O(W) time and memory, never W x 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
@@ -107,13 +108,6 @@ def _check_divides(name: str, value: int, world_size: int) -> None:
         raise ValueError(msg)
 
 
-def _product(values: Iterable[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 @attrs.frozen(kw_only=True)
 class Layout:
     """The axes of a world, slowest first; build it with ``make_layout``.
@@ -197,7 +191,7 @@ class Layout:
             return self.ep
         if axis == "edp":
             return self.world_size // self.axis_size("pp") // self.ep
-        return _product(self.axis_size(a) for a in self.flattened(axis))
+        return math.prod(self.axis_size(a) for a in self.flattened(axis))
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """The coordinates of ``rank``, one per axis, slowest first."""
@@ -253,13 +247,28 @@ class Layout:
             return self._expert_groups(axis)
         return self._flat_groups(self.flattened(axis))
 
+    def flatten_names(self, axes: tuple[object, ...]) -> tuple[str, ...]:
+        """``axes`` in layout order; TypeError/ValueError: none, a non-str, unknown, repeated."""
+        if not axes:
+            first = self.names[0]
+            msg = f"flatten() names no axis; pass axes of the layout, e.g. flatten(ctx, {first!r})"
+            raise ValueError(msg)
+        for axis in axes:
+            if not isinstance(axis, str):
+                msg = f"axes={axes!r}: {axis!r} is not an axis name (a str)"
+                raise TypeError(msg)
+            if axis not in self.names:
+                msg = f"axes={axes!r}: {axis!r} is not an axis of the layout; "
+                msg += f"choose from {self.names}"
+                raise ValueError(msg)
+        if len(set(axes)) != len(axes):
+            msg = f"axes={axes!r} names an axis twice"
+            raise ValueError(msg)
+        return tuple(a for a in self.names if a in axes)
+
     def flatten(self, axes: Sequence[str]) -> tuple[Ranks, ...]:
         """The partition into the ranks sharing every coordinate but those of ``axes``."""
-        for axis in axes:
-            if axis not in self.names:
-                msg = f"axes={tuple(axes)!r}: {axis!r} is not an axis of the layout {self.names}"
-                raise ValueError(msg)
-        return self._flat_groups(axes)
+        return self._flat_groups(self.flatten_names(tuple(axes)))
 
     def _stage_axes(self) -> list[str]:
         """The axes of one pipeline stage: all but ``pp``."""
@@ -450,7 +459,7 @@ def make_axes_layout(world_size: int, axes: object, *, ep: int = 1) -> Layout:
             f"({', '.join(map(repr, unknown))}); at most one axis may be inferred"
         )
         raise ValueError(msg)
-    known = _product(s for _, s in pairs if s != -1)
+    known = math.prod(s for _, s in pairs if s != -1)
     if world_size % known or (not unknown and known != world_size):
         fix = (
             f"choose sizes that multiply to {world_size}"

@@ -185,6 +185,33 @@ class _Join:
                 time.sleep(_POLL_SEC)
         self._raise_missing(missing)
 
+    def communicators(
+        self, backend: str, device: torch.device, wait: timedelta
+    ) -> tuple[ProcessGroup, ProcessGroup]:
+        """The link's gloo group, and its tensor group (the same one on a CPU gloo link)."""
+
+        def make(kind: str, backend: str, device: torch.device, wait: timedelta) -> ProcessGroup:
+            store = PrefixStore(f"{self.prefix}{kind}/", cast("Store", self.store))
+            return _compat.unregistered_group(store, self.rank, self.size, backend, device, wait)
+
+        try:
+            cpu = make("cpu", "gloo", torch.device("cpu"), wait)
+            if device.type == "cpu" and backend == "gloo":
+                return cpu, cpu
+            # Later than the gloo group's: pdist's watchdog aborts a stuck NCCL communicator
+            # and raises naming the member that left, before torch's own ends the process.
+            later = wait + timedelta(seconds=_DEVICE_MARGIN_SEC)
+            try:
+                return cpu, make("device", backend, device, later)
+            except Exception:
+                _compat.shutdown_group(cpu)
+                raise
+        except Exception as exc:  # every member had joined: one went away since, or the network
+            msg = (
+                f"{self.label}: building the communicators failed on link rank {self.rank} ({exc})"
+            )
+            raise PdistError(msg) from exc
+
     def leave(self, failed: bool) -> None:
         """Say goodbye: the others wait for member 0 to mark its store closed (bounded).
 
@@ -214,43 +241,6 @@ class _Join:
 def _parse_ranks(text: str) -> list[int]:
     """The ranks of a verdict (``"1,2"``); plain data, never code."""
     return [int(r) for r in text.split(",") if r.strip().isdigit()]
-
-
-def _device_and_backend(
-    backend: str | None, device: str | torch.device | int | None
-) -> tuple[torch.device, str]:
-    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return _env.device_and_backend(device, backend, index, probe_accelerator())
-
-
-def _communicators(
-    label: str,
-    store: Store,
-    prefix: str,
-    rank: int,
-    size: int,
-    backend: str,
-    device: torch.device,
-    wait: timedelta,
-) -> tuple[ProcessGroup, ProcessGroup]:
-    """The link's gloo group, and its tensor group (the same one on a CPU gloo link)."""
-    try:
-        cpu_store = PrefixStore(prefix + "cpu/", store)
-        cpu = _compat.unregistered_group(cpu_store, rank, size, "gloo", torch.device("cpu"), wait)
-        if device.type == "cpu" and backend == "gloo":
-            return cpu, cpu
-        device_store = PrefixStore(prefix + "device/", store)
-        # Later than the gloo group's: pdist's watchdog aborts a stuck NCCL communicator
-        # and raises naming the member that left, before torch's own ends the process.
-        later = wait + timedelta(seconds=_DEVICE_MARGIN_SEC)
-        try:
-            return cpu, _compat.unregistered_group(device_store, rank, size, backend, device, later)
-        except Exception:
-            _compat.shutdown_group(cpu)
-            raise
-    except Exception as exc:  # every member had joined: one went away since, or the network
-        msg = f"{label}: building the communicators failed on link rank {rank} ({exc})"
-        raise PdistError(msg) from exc
 
 
 @contextlib.contextmanager
@@ -299,7 +289,8 @@ def link(
     host, port = _parse_address(address)
     rank, size = _check_ranks(rank, world_size)
     label = f"link {name or 'link'!r} at {address}"
-    resolved, backend_name = _device_and_backend(backend, device)
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    resolved, backend_name = _env.device_and_backend(device, backend, index, probe_accelerator())
     seconds = _env.collective_seconds(timeout)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
@@ -312,9 +303,7 @@ def link(
         join.join()
         store: Store | None = join.store
         wait = timedelta(seconds=seconds)
-        cpu, device_pg = _communicators(
-            label, cast("Store", store), join.prefix, rank, size, backend_name, resolved, wait
-        )
+        cpu, device_pg = join.communicators(backend_name, resolved, wait)
         pgs += [cpu] if device_pg is cpu else [cpu, device_pg]
         # Members that leave through an exception say so in the link's store, and the
         # survivors of a failed collective name them (or find them by a roll call).

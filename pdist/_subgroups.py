@@ -15,7 +15,9 @@ builds (and holds until the block exits) a group of its own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -80,30 +82,13 @@ def build_world(
         cpu_key = lifetime.add(_local_group(None, "gloo", timeout, "world"), created=True)
     ranks = tuple(range(world_size))
     built = lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
-    return _member("world", built, rank, device, lifetime)
-
-
-def _member(name: str, built: Built, rank: int, device: torch.device, lifetime: Lifetime) -> Group:
-    return Group(
-        name=name,
-        ranks=built.ranks,
-        rank=rank,
-        rank_in_group=built.ranks.index(rank),
-        device=device,
-        timeout=built.timeout,
-        lifetime=lifetime,
-        device_key=built.device_key,
-        cpu_key=built.cpu_key,
-    )
+    return built.group("world", rank, device, lifetime)
 
 
 def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
     """``blocks`` plus a singleton for every rank in none, and the ranks so added."""
-    covered = bytearray(world_size)
-    for block in blocks:
-        for r in block:
-            covered[r] = 1
-    extra = [r for r in range(world_size) if not covered[r]]
+    covered = set(itertools.chain.from_iterable(blocks))
+    extra = [r for r in range(world_size) if r not in covered]
     return (*blocks, *((r,) for r in extra)), set(extra)
 
 
@@ -131,13 +116,13 @@ def build_partition(
     name: str,
     blocks: Sequence[Sequence[int]],
     *,
-    timeout: timedelta,
     named: bool = False,
 ) -> Group | None:
     """The caller's Group of a partition of the world into ``blocks``; None if it is in none.
 
     ``blocks``: disjoint lists of global ranks, the same on every rank (not checked here).
-    A partition built before is reused, with the timeout it was built with; ``named``: only
+    New groups get the subgroups' timeout (``PDIST_SUBGROUP_TIMEOUT_SEC``), not a reused
+    world's. A partition built before is reused, with the timeout it was built with; ``named``: only
     one built under the same ``name`` (a user's group: its traffic never shares a
     communicator with another name's, principle 14).
     """
@@ -149,12 +134,13 @@ def build_partition(
     if built is None:
         full, extra = _complete(canonical, world.world_size)
         mine = next(block for block in full if world.rank in block)  # _complete covers every rank
+        timeout = lifetime.subgroup_timeout or world.timeout
         device_pg, cpu_pg = _create(world, full, mine, name, timeout)
         device_key = lifetime.add(device_pg, created=True)
         cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
         built = Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
         lifetime.partitions[key] = built
-    return _member(name, built, world.rank, world.device, lifetime) if built.member else None
+    return built.group(name, world.rank, world.device, lifetime) if built.member else None
 
 
 def _require(group: Group | None, name: str) -> Group:
@@ -174,11 +160,9 @@ def build_axes(world: Group, layout: Layout, *, settings: str = "") -> dict[str,
     """
     agreed = ", ".join(filter(None, [layout.describe(), settings]))
     _agree.check_same(world, "distributed()", agreed, None)
-    timeout = _subgroup_timeout(world)
     order = (*reversed(layout.names), *layout.group_names[len(layout.names) :])
     return {
-        axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
-        for axis in order
+        axis: _require(build_partition(world, axis, layout.groups(axis)), axis) for axis in order
     }
 
 
@@ -229,27 +213,36 @@ def patch_sp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     yield _patched(ctx, group, "sp")
 
 
-def _subgroup_timeout(world: Group) -> timedelta:
-    """The subgroups' timeout (``PDIST_SUBGROUP_TIMEOUT_SEC``), not a reused world's."""
-    return world.lifetime.subgroup_timeout or world.timeout
+def _validated(
+    ctx: object, what: str, check: Callable[[], Any], summary: Callable[[Any], str] = repr
+) -> Any:
+    """``check()``'s value once every rank's ``summary`` of it is the same; its error on every rank.
+
+    A rank raising alone would leave the others waiting in the group build.
+    """
+    world = _check_ctx(ctx).world
+    world.lifetime.check_open()
+    try:
+        value, error = check(), None
+    except (TypeError, ValueError) as exc:
+        value, error = None, exc
+    _agree.check_same(world, what, "" if error else summary(value), error)  # raises after an error
+    return value
 
 
 def _consecutive(ctx: DistContext, size: int, name: str | None, axis: str) -> Group:
     """``axis`` groups of ``size`` consecutive ranks (``new_tp_group``, ``new_sp_group``)."""
-    _check_ctx(ctx)
-    ctx.world.lifetime.check_open()
-    try:
+
+    def check() -> Blocks:
         if name is not None and (not isinstance(name, str) or not name):
             msg = f"name={name!r} must be None or a non-empty str"
             raise TypeError(msg)
-        blocks, error = consecutive_groups(ctx.world_size, size, name="size"), None
-    except (TypeError, ValueError) as exc:
-        blocks, error = (), exc
+        return consecutive_groups(ctx.world_size, size, name="size")
+
     label = name if isinstance(name, str) and name else f"{axis}{size}"
-    _agree.check_same(ctx.world, f"new group {label!r}", f"size={size!r}, name={name!r}", error)
-    timeout = _subgroup_timeout(ctx.world)
-    group = build_partition(ctx.world, label, blocks, timeout=timeout, named=True)
-    return _require(group, label)
+    summary = f"size={size!r}, name={name!r}"
+    blocks = _validated(ctx, f"new group {label!r}", check, lambda _: summary)
+    return _require(build_partition(ctx.world, label, blocks, named=True), label)
 
 
 def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
@@ -284,7 +277,10 @@ def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
     return _consecutive(ctx, size, name, "sp")
 
 
-def _check_rank_lists(rank_lists: object, world_size: int) -> Blocks:
+def _check_rank_lists(rank_lists: object, world_size: int, name: object) -> Blocks:
+    if not isinstance(name, str) or not name:
+        msg = f"name={name!r} must be a non-empty str"
+        raise TypeError(msg)
     if isinstance(rank_lists, (str, bytes)) or not isinstance(rank_lists, Sequence):
         msg = f"rank_lists={rank_lists!r} must be a list of lists of global ranks"
         raise TypeError(msg)
@@ -357,41 +353,9 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
         RankMismatchError: Ranks passed different lists, or only some passed bad ones.
         PdistError: The context is closed.
     """
-    _check_ctx(ctx)
-    ctx.world.lifetime.check_open()
-    try:
-        if not isinstance(name, str) or not name:  # checked with the others: fail together
-            msg = f"name={name!r} must be a non-empty str"
-            raise TypeError(msg)
-        blocks, error = _check_rank_lists(rank_lists, ctx.world_size), None
-    except (TypeError, ValueError) as exc:
-        blocks, error = (), exc
-    _agree.check_same(ctx.world, f"new_group(name={name!r})", f"{blocks!r}, name={name!r}", error)
-    return build_partition(
-        ctx.world, name, blocks, timeout=_subgroup_timeout(ctx.world), named=True
-    )
-
-
-def _flatten_axes(ctx: DistContext, axes: tuple[object, ...]) -> tuple[str, ...]:
-    """``axes`` checked against the context's layout, in layout order."""
-    layout = ctx.layout
-    if not axes:
-        first = layout.names[0]
-        msg = f"flatten() names no axis; pass axes of the layout, e.g. flatten(ctx, {first!r})"
-        raise ValueError(msg)
-    for axis in axes:
-        if not isinstance(axis, str):
-            msg = f"axes={axes!r}: {axis!r} is not an axis name (a str)"
-            raise TypeError(msg)
-        if axis not in layout.names:
-            msg = (
-                f"axes={axes!r}: {axis!r} is not an axis of the layout; choose from {layout.names}"
-            )
-            raise ValueError(msg)
-    if len(set(axes)) != len(axes):
-        msg = f"axes={axes!r} names an axis twice"
-        raise ValueError(msg)
-    return tuple(a for a in layout.names if a in axes)
+    check = functools.partial(_check_rank_lists, rank_lists, ctx.world_size, name)
+    blocks = _validated(ctx, f"new_group(name={name!r})", check, lambda b: f"{b!r}, name={name!r}")
+    return build_partition(ctx.world, name, blocks, named=True)
 
 
 def flatten(ctx: DistContext, *axes: str) -> Group:
@@ -420,18 +384,9 @@ def flatten(ctx: DistContext, *axes: str) -> Group:
         RankMismatchError: Ranks passed different axes (on every rank).
         PdistError: The context is closed.
     """
-    _check_ctx(ctx)
-    ctx.world.lifetime.check_open()
-    try:
-        names, error = _flatten_axes(ctx, axes), None
-    except (TypeError, ValueError) as exc:
-        names, error = (), exc
-    _agree.check_same(ctx.world, "flatten()", repr(names), error)
+    names = _validated(ctx, "flatten()", lambda: ctx.layout.flatten_names(axes))
     label = "_".join(names)
-    blocks = ctx.layout.flatten(names)
-    return _require(
-        build_partition(ctx.world, label, blocks, timeout=_subgroup_timeout(ctx.world)), label
-    )
+    return _require(build_partition(ctx.world, label, ctx.layout.flatten(names)), label)
 
 
 def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:

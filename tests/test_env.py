@@ -49,7 +49,7 @@ def test_env_seconds_table(raw, expected, warns, caplog):
 def test_zero_means_forever_only_where_allowed(caplog):
     """0 disarms only the guard's deadline; for a collective timeout it is invalid."""
     env = {"X": "0"}
-    assert env_seconds("X", 600.0, zero_means_forever=True, environ=env) is None
+    assert env_seconds("X", 600.0, zero_means_forever=True, environ=env) == 0.0  # forever
     with caplog.at_level(logging.WARNING, logger="pdist"):
         assert env_seconds("X", 600.0, environ=env) == 600.0
     assert "X" in caplog.records[0].getMessage()
