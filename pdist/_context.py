@@ -53,9 +53,7 @@ class _Distributed:
     """The single-use context manager returned by [`distributed`][pdist.distributed]."""
 
     def __init__(self, settings: _env.Settings, store: Store | None) -> None:
-        self._settings = settings
-        self._store = store
-        self._state = "new"
+        self._settings, self._store, self._state = settings, store, "new"
         self._lifetime: Lifetime | None = None
         self._restore: list[Any] = []
         self._watch: _stall.Watch | None = None
@@ -221,19 +219,10 @@ class _Distributed:
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
         deadline.stage = "building the world groups"
-        world = _subgroups.build_world(
-            rank=launch.rank,
-            world_size=launch.world_size,
-            device=settings.device,
-            lifetime=lifetime,
-            timeout=settings.timeout,
-        )
+        world = _subgroups.build_world(settings, lifetime)
         layout = settings.layout
         deadline.stage = f"building the groups {', '.join(layout.group_names)}"
-        # With the layout, every setting that changes what goes on the wire: check mode adds
-        # an agreement before each call, the backend and device type make the communicator.
-        wire = f"check={settings.check}, backend={settings.backend}, device={settings.device.type}"
-        groups = _subgroups.build_axes(world, layout, settings=wire)
+        groups = _subgroups.build_axes(world, settings)
         deadline.stage = "detecting which ranks share a host"
         nodes = _topology.node_partition(world)
         deadline.stage = "building the node groups"

@@ -206,8 +206,7 @@ def env_backend(environ: Mapping[str, str] | None = None) -> str | None:
 
 def world_comm_timeout(environ: Mapping[str, str] | None = None) -> float | None:
     """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever)."""
-    name, default = "PDIST_WORLD_COMM_TIMEOUT_SEC", DEFAULT_WORLD_COMM_TIMEOUT_SEC
-    return env_seconds(name, default, zero_means_forever=True, environ=environ) or None
+    return deadline_seconds(None, "", environ)
 
 
 KNOWN_BACKENDS = ("gloo", "nccl", "xccl", "hccl", "mpi", "ucc")
@@ -398,19 +397,19 @@ def collective_seconds(
     return to_seconds(timeout, "timeout")
 
 
-def _off_or_seconds(value: float | timedelta, name: str) -> float | None:
-    """A duration argument where ``0`` (or a zero ``timedelta``) means "none": None then."""
+def deadline_seconds(
+    value: float | timedelta | None,
+    name: str,
+    environ: Mapping[str, str] | None = None,
+    var: tuple[str, float] = ("PDIST_WORLD_COMM_TIMEOUT_SEC", DEFAULT_WORLD_COMM_TIMEOUT_SEC),
+) -> float | None:
+    """A deadline argument as seconds, or None (``0``: forever); None reads ``var``, its default."""
+    if value is None:
+        return env_seconds(*var, zero_means_forever=True, environ=environ) or None
     zero = timedelta(0) if isinstance(value, timedelta) else 0
     if not isinstance(value, bool) and isinstance(value, (int, float, timedelta)) and value == zero:
         return None
     return to_seconds(value, name)
-
-
-def deadline_seconds(
-    value: float | timedelta | None, name: str, environ: Mapping[str, str] | None = None
-) -> float | None:
-    """A deadline argument as seconds, or None (forever): None reads ``world_comm_timeout``."""
-    return world_comm_timeout(environ) if value is None else _off_or_seconds(value, name)
 
 
 def _on_stall(value: object, environ: Mapping[str, str]) -> str:
@@ -437,11 +436,8 @@ def stall_settings(
     wrote wins. The answer wait reads ``PDIST_STALL_ANSWER_SEC``.
     """
     env = os.environ if environ is None else environ
-    if stall_timeout is None:
-        name, default = "PDIST_STALL_TIMEOUT_SEC", DEFAULT_STALL_TIMEOUT_SEC
-        seconds = env_seconds(name, default, zero_means_forever=True, environ=env) or None
-    else:
-        seconds = _off_or_seconds(stall_timeout, "stall_timeout")
+    var = ("PDIST_STALL_TIMEOUT_SEC", DEFAULT_STALL_TIMEOUT_SEC)
+    seconds = deadline_seconds(stall_timeout, "stall_timeout", env, var)
     answer = env_seconds("PDIST_STALL_ANSWER_SEC", DEFAULT_STALL_ANSWER_SEC, environ=env)
     return seconds, _on_stall(on_stall, env), answer
 

@@ -2,10 +2,7 @@
 
 A layout is an ordered list of axes, slowest- to fastest-varying, whose sizes multiply
 to the world size: ``rank = sum(coord[a] * stride[a])`` with the last axis's stride 1.
-The keyword form uses the canonical order ``pp, dp, cp, sp, tp`` (tp fastest: its
-ranks are adjacent, so they share the fastest links); ``axes={...}`` names any axes in
-any order. This table of axes is the only place an axis is declared: the groups built
-at start-up, ``DistContext.axes``, ``device_mesh`` and the stall watch all read it.
+In the keyword form tp is fastest: its ranks are adjacent, so they share the fastest links.
 
 Every group is "the ranks sharing every coordinate but those of some axes" (a
 *flattening*: one axis, ``dp_sp``, [`pdist.flatten`][pdist.flatten]), or an expert group (``ep``,
@@ -58,8 +55,8 @@ class GroupSpec:
     flattens: tuple[str, ...] = ()
 
 
-# The one table of axes: the context's fields (in this order), the keyword form of
-# distributed(), the groups built at start-up, device_mesh and the stall watch read it.
+# The one place an axis is declared: the context's fields (in this order), the keyword form
+# of distributed(), the groups built at start-up, device_mesh and the stall watch read it.
 GROUPS = (
     GroupSpec("world", "world"),
     GroupSpec("node", "node"),
@@ -276,12 +273,8 @@ class Layout:
 
     def group_of(self, axis: str, rank: int) -> Ranks:
         """The ranks of the ``axis`` group that contains ``rank``, in increasing order."""
-        varied = self._stage_axes() if axis in EXPERT else self.flattened(axis)
-        group = tuple(self._base(rank, varied) + o for o in self._offsets(varied))
-        if axis not in EXPERT:
-            return group
-        i, ep = group.index(rank), self.ep  # group: the caller's stage
-        return group[i - i % ep : i - i % ep + ep] if axis == "ep" else group[i % ep :: ep]
+        self.coords(rank)  # a rank outside the world raises
+        return next(group for group in self.groups(axis) if rank in group)
 
     def mesh_names(self, axes: object) -> tuple[str, ...]:
         """``device_mesh``'s ``axes`` checked against the layout: None means every axis.

@@ -2,10 +2,8 @@
 
 Member 0 hosts a ``TCPStore`` at ``address``; every member connects, checks in, and
 waits for the others with a deadline. Then the communicators are built straight from
-the store (``_compat.unregistered_group``): torch's default group, its registry and
-``dist.is_initialized()`` never see them, so a link works inside or outside
-``distributed()`` and several can be open at once. pdist addresses a link's ranks
-through the Group (``group_src``/``group_dst`` indexes), never through torch's registry.
+the store (``_compat.unregistered_group``), so torch's registry never sees them
+(principle 13).
 
 The store's keys, under ``pdist/link/<name>/``:
 
@@ -67,8 +65,7 @@ class _Join:
 
     def __init__(self, label: str, rank: int, size: int, prefix: str, seconds: float) -> None:
         self.label, self.rank, self.size, self.prefix = label, rank, size, prefix
-        self.seconds = seconds
-        self.deadline = time.monotonic() + seconds
+        self.seconds, self.deadline = seconds, time.monotonic() + seconds
         self.store: Store | None = None  # member 0's: the server
         self.ended = ""  # what a closed store at the address said (a member that came late)
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import _agree, _compat
+from ._env import Settings
 from ._errors import PdistError
 from ._group import Blocks, Built, DistContext, Group, Lifetime, ProcessGroup
 from ._layout import Layout, consecutive_groups, make_axes_layout
@@ -63,15 +64,9 @@ def _local_group(
     return pg
 
 
-def build_world(
-    *,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    lifetime: Lifetime,
-    timeout: timedelta,
-) -> Group:
+def build_world(settings: Settings, lifetime: Lifetime) -> Group:
     """The ``world`` Group over the default process group (plus a gloo group when needed)."""
+    timeout = settings.timeout
     world_pg = dist.group.WORLD
     if world_pg is None:
         msg = "the default process group is not initialized"
@@ -80,9 +75,9 @@ def build_world(
     cpu_key = device_key
     if _backend_of(world_pg) not in _SELF_CPU_BACKENDS:
         cpu_key = lifetime.add(_local_group(None, "gloo", timeout, "world"), created=True)
-    ranks = tuple(range(world_size))
+    ranks = tuple(range(settings.launch.world_size))
     built = lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
-    return built.group("world", rank, device, lifetime)
+    return built.group("world", settings.launch.rank, settings.device, lifetime)
 
 
 def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
@@ -150,15 +145,17 @@ def _require(group: Group | None, name: str) -> Group:
     return group
 
 
-def build_axes(world: Group, layout: Layout, *, settings: str = "") -> dict[str, Group]:
+def build_axes(world: Group, settings: Settings) -> dict[str, Group]:
     """The caller's group of every name in ``layout.group_names``, once all ranks agree on it.
 
     Ranks that built different partitions would each get a group the others never join.
-    ``settings``: the other settings every rank must share, agreed in the same exchange.
+    With the layout, every setting that changes what goes on the wire is agreed: check mode
+    adds an agreement before each call, the backend and device type make the communicator.
     The axes are built fastest first (then the one-rank groups of absent canonical axes,
     then the derived groups): a partition equal to one built before reuses it.
     """
-    agreed = ", ".join(filter(None, [layout.describe(), settings]))
+    s, layout = settings, settings.layout
+    agreed = f"{layout.describe()}, check={s.check}, backend={s.backend}, device={s.device.type}"
     _agree.check_same(world, "distributed()", agreed, None)
     order = (*reversed(layout.names), *layout.group_names[len(layout.names) :])
     return {
