@@ -288,15 +288,6 @@ class Settings:
     check: bool = False  # check mode: every tensor collective first agrees on its arguments
 
 
-def _check_rank_arg(name: str, value: object) -> None:
-    least = 1 if name == "world_size" else 0
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-        return
-    what = "a positive int (the number of ranks in the job)" if least else "a non-negative int"
-    msg = f"{name}={value!r} must be {what}"
-    raise ValueError(msg)
-
-
 def _in_range(device: object, kind: str, index: int, accelerator: Accelerator) -> torch.device:
     """Device ``index`` of ``kind``; ``device`` None means the index came from the local rank."""
     if index < accelerator.count:
@@ -450,7 +441,13 @@ def _launch(
 ) -> Launch:
     """The launcher's description, with the adopted group's and the caller's overrides."""
     for name, value in overrides.items():
-        _check_rank_arg(name, value)
+        least = 1 if name == "world_size" else 0
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if value is None or (is_int and value >= least):
+            continue
+        what = "a positive int (the number of ranks in the job)" if least else "a non-negative int"
+        msg = f"{name}={value!r} must be {what}"
+        raise ValueError(msg)
     launch = detect_launch(env)
     if adopted is not None:
         for name, actual in (("rank", adopted.rank), ("world_size", adopted.world_size)):

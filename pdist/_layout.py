@@ -151,14 +151,9 @@ class Layout:
 
     def describe(self) -> str:
         """The layout as its arguments were (what all ranks must agree on)."""
-        if self.keyword:
-            sizes = [
-                f"{a}={self.axis_size(a)}"
-                for a in KEYWORDS
-                if _SPECS[a].always or self.axis_size(a) > 1
-            ]
-        else:
-            sizes = [f"axes={dict(self.axes)!r}"]
+        shown = [a for a in KEYWORDS if _SPECS[a].always or self.axis_size(a) > 1]
+        sizes = [f"{a}={self.axis_size(a)}" for a in shown]
+        sizes = sizes if self.keyword else [f"axes={dict(self.axes)!r}"]
         return ", ".join(sizes + ([f"ep={self.ep}"] if self.ep > 1 else []))
 
     def _strides(self) -> dict[str, int]:

@@ -72,9 +72,6 @@ class _Join:
     def key(self, name: str) -> str:
         return self.prefix + name
 
-    def _left(self) -> float:
-        return max(self.deadline - time.monotonic(), 0.1)
-
     def connect(self, host: str, port: int) -> Store:
         """Member 0: host the store; others: connect to a store not marked ``closed``.
 
@@ -105,7 +102,7 @@ class _Join:
 
     def _attempt(self, host: str, port: int) -> Store | None:
         """A store, or None where the previous link's store answered (about to go)."""
-        wait = timedelta(seconds=min(self._left(), 30.0))
+        wait = timedelta(seconds=min(max(self.deadline - time.monotonic(), 0.1), 30.0))
         if self.rank == 0:
             return TCPStore(host, port, None, True, wait, wait_for_workers=False)
         store = TCPStore(host, port, None, False, wait)

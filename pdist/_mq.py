@@ -155,11 +155,10 @@ class _Watch:
         if self.fd is not None:
             return bool(self._poll.poll(0))
         try:
-            os.kill(self.pid, 0)
+            with contextlib.suppress(PermissionError):  # alive, another user's
+                os.kill(self.pid, 0)
         except ProcessLookupError:
             return True
-        except PermissionError:
-            pass
         return False
 
 

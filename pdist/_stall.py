@@ -273,9 +273,8 @@ class Watch:
         self._lifetime, self._hosts_store, self._prefix = lifetime, hosts_store, f"{prefix}/stall"
         self._base = store
         self._control: Store | None = None  # stop's connection to the store
-        # Every store call of the watch is bounded by this (principle 15): a store whose host
-        # is gone without closing the connection answers nothing, and a thread must not wait
-        # on it for the store's own timeout, nor hold the block's exit.
+        # Bounds every store call of the watch (principle 15): a store whose host is gone
+        # without closing the connection answers nothing, and nothing may wait on it.
         self._bound = timedelta(seconds=self.answer + _GRACE)
         self._lock, self._stopping = threading.Lock(), threading.Event()
         self._phase: tuple[str, int] = ("wake", 1)  # the key the answering thread waits on
@@ -353,9 +352,7 @@ class Watch:
         if answers and control is not None:
             keys = sorted(self._mine)
             with contextlib.suppress(StoreGoneError):
-                bounded(
-                    lambda: [control.delete_key(key) for key in keys], bound, "pdist-stall-store"
-                )
+                bounded(lambda: list(map(control.delete_key, keys)), bound, "pdist-stall-store")
 
     # ------------------------------------------------------------------ polling side
 
