@@ -82,8 +82,10 @@ def build_world(settings: Settings, lifetime: Lifetime) -> Group:
 
 def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
     """``blocks`` plus a singleton for every rank in none, and the ranks so added."""
-    covered = set(itertools.chain.from_iterable(blocks))
-    extra = [r for r in range(world_size) if r not in covered]
+    covered = bytearray(world_size)  # a byte per rank: start-up stays small at any scale
+    for r in itertools.chain.from_iterable(blocks):
+        covered[r] = 1
+    extra = [r for r in range(world_size) if not covered[r]]
     return (*blocks, *((r,) for r in extra)), set(extra)
 
 
@@ -117,9 +119,9 @@ def build_partition(
 
     ``blocks``: disjoint lists of global ranks, the same on every rank (not checked here).
     New groups get the subgroups' timeout (``PDIST_SUBGROUP_TIMEOUT_SEC``), not a reused
-    world's. A partition built before is reused, with the timeout it was built with; ``named``: only
-    one built under the same ``name`` (a user's group: its traffic never shares a
-    communicator with another name's, principle 14).
+    world's. A partition built before is reused, with the timeout it was built with;
+    ``named``: only one built under the same ``name`` (a user's group: its traffic never
+    shares a communicator with another name's, principle 14).
     """
     lifetime = world.lifetime
     lifetime.check_open()
