@@ -169,7 +169,7 @@ def test_no_module_takes_another_modules_private_name(path):
 
 
 def test_only_agree_raises_a_peers_failure():
-    """Failing together is ``_agree``'s alone: no other module turns a peer's marker into an error."""
+    """Failing together is ``_agree``'s: no other module turns a peer's marker into an error."""
     takers = {
         _module(p)
         for p in FILES
