@@ -18,19 +18,17 @@ machine, a 4 KiB all_reduce 1.5-3.2 ms checked against 0.9-2.0 ms).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import _departures
 from ._agree import check_same, status
-from ._errors import PdistError, RankMismatchError
+from ._errors import RankMismatchError
 from ._group import Group
 
 __all__ = [
-    "HINT",
     "agree_args",
     "agree_call",
     "agree_ends",
@@ -38,16 +36,8 @@ __all__ = [
     "checked",
     "describe",
     "enabled",
-    "explaining",
     "tensor_of",
 ]
-
-_MISMATCH = ("mismatch", "does not match", "doesn't match")  # the backends' words
-
-HINT = (
-    "turn on check mode (pdist.distributed(check=True) or PDIST_CHECK=1) and every rank "
-    "raises a RankMismatchError naming each rank's shapes and dtypes"
-)
 
 
 def enabled(group: Group) -> bool:
@@ -126,7 +116,7 @@ def agree_args(
     head = f"{name}: {tensor}" if tensor else name
     summary = ", ".join([head, *(f"{k}={v!r}" for k, v in fields.items() if v is not None)])
     # A peer gone meanwhile is named as in the collective (which this agreement precedes).
-    with explaining(group, f"{name} (check mode)", counted=False):
+    with _departures.naming(group, f"{name} (check mode)"):
         if not status(group, error, what=f"{name} (check mode)", summary=summary):
             # The summaries travel, only now.
             check_same(group, f"{name} on group {group.name!r} (check mode)", summary, None)
@@ -189,30 +179,3 @@ def checked(group: Group, name: str, x: object, *checks: Callable[[], Any]) -> l
     except (TypeError, ValueError) as exc:
         agree_args(group, name, describe(x), exc)
         raise
-
-
-@contextlib.contextmanager
-def explaining(group: Group, what: str, *, counted: bool = True) -> Iterator[None]:
-    """Turn the backend's failure of collective ``what`` into one naming its cause, if known.
-
-    A peer that left its block is named (``_departures``); a size mismatch the backend
-    reports (rather than aborting the process, as gloo mostly does) gets check mode's hint.
-    ``counted``: a collective of its own, numbered per group name (``all_reduce #6``), so
-    that a survivor's message says which call of the job it was in.
-    """
-    calls = group.lifetime.calls
-    if counted:
-        calls[group.name] = number = calls.get(group.name, 0) + 1
-        what = f"{what} #{number}"
-    try:
-        with _departures.naming(group, what):
-            yield
-    except RuntimeError as exc:  # no one left: a mismatch the backend saw gets the hint
-        text = str(exc).strip()
-        if isinstance(exc, PdistError) or not any(m in text.lower() for m in _MISMATCH):
-            raise
-        msg = (
-            f"{what} on group {group.name!r} (rank {group.rank}): the ranks' tensors "
-            f"do not match ({text.splitlines()[0]}); {HINT}"
-        )
-        raise PdistError(msg) from exc

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import _check, _launches, _rooted, _uneven, _wire
+from . import _check, _departures, _launches, _rooted, _uneven, _wire
 from ._group import DistContext, Group, as_group
 from ._inflight import recorded
 
@@ -80,7 +80,7 @@ def _split_dim(group: Group, x: torch.Tensor, dim: int, what: str) -> int:
     return d
 
 
-def _check_all_to_all(g: Group, x: torch.Tensor, scatter: int, gather: int) -> tuple[int, int]:
+def _check_all_to_all_4d(g: Group, x: torch.Tensor, scatter: int, gather: int) -> tuple[int, int]:
     if x.dim() != 4:
         msg = f"all_to_all_4d needs a 4-D tensor, got shape {tuple(x.shape)}"
         raise ValueError(msg)
@@ -154,7 +154,7 @@ _SPECS: dict[str, _Spec] = {
         backward=lambda op, d: ("all_gather", (d,), op == "mean") if op in _GRAD_OPS else None,
     ),
     "all_to_all_4d": _Spec(
-        check=_check_all_to_all,
+        check=_check_all_to_all_4d,
         launch=_launches.launch_all_to_all,
         traced=_launches.traced_all_to_all,
         shape=_launches.exchanged,
@@ -199,7 +199,7 @@ def _eager(
     *,
     what: str,
 ) -> torch.Tensor:
-    with _check.explaining(g, what):
+    with _departures.naming(g, what, counted=True):
         return _launches.result(launch(g, x, *args), async_op)
 
 
@@ -365,7 +365,7 @@ def all_gather_tensor(group: Group | DistContext, x: torch.Tensor) -> list[torch
     _check.agree_call(g, "all_gather_tensor", x)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks]
-    with _check.explaining(g, "all_gather_tensor"):
+    with _departures.naming(g, "all_gather_tensor", counted=True):
         dist.all_gather(outs, x, group=g.device_group)
     return outs
 
@@ -434,7 +434,7 @@ def gather(
     _check.agree_call(g, "gather", x, dst=dst, dim=d)
     x = _launches.local(x).detach().contiguous()
     outs = [torch.empty_like(x) for _ in g.ranks] if g.rank_in_group == dst else None
-    with _check.explaining(g, "gather"):
+    with _departures.naming(g, "gather", counted=True):
         _rooted.gather_to(x, outs, g.device_group, dst)
     return None if outs is None else torch.cat(outs, dim=d)
 
@@ -465,7 +465,7 @@ def reduce(
         return x
     _check.agree_call(g, "reduce", x, dst=dst, op=op)
     out = _launches.local(x).detach().clone(memory_format=torch.contiguous_format)
-    with _check.explaining(g, "reduce"):
+    with _departures.naming(g, "reduce", counted=True):
         _rooted.reduce_to(out, g.device_group, dst, dist.ReduceOp.SUM)
     if g.rank_in_group != dst:
         return None
@@ -551,7 +551,7 @@ def shard(
     return _collective("shard", group, x, dim, scale_grad)
 
 
-def _ends(g: Group, name: str, index: int | None, travels: Callable[[], str]) -> int:
+def _p2p_ends(g: Group, name: str, index: int | None, travels: Callable[[], str]) -> int:
     """This end's checks, then its peer's index; in check mode the swap (``_check.agree_ends``)."""
     default, label = (g.next_rank, "dst") if name == "send" else (g.prev_rank, "src")
     try:
@@ -574,7 +574,7 @@ def send(group: Group | DistContext, x: torch.Tensor, dst: int | None = None) ->
         swaps them first (two small CPU messages): a difference raises on both ends.
     """
     g = as_group(group)
-    peer = _ends(g, "send", dst, lambda: _check.tensor_of(_check_tensor(x).shape, x.dtype))
+    peer = _p2p_ends(g, "send", dst, lambda: _check.tensor_of(_check_tensor(x).shape, x.dtype))
     _rooted.send_to(_launches.local(x).detach().contiguous(), g.device_group, peer)
 
 
@@ -600,7 +600,7 @@ def recv(
         ValueError: ``src`` is outside the group, or the group has one rank.
     """
     g = as_group(group)
-    peer = _ends(g, "recv", src, lambda: _check.tensor_of(shape, dtype))
+    peer = _p2p_ends(g, "recv", src, lambda: _check.tensor_of(shape, dtype))
     out = torch.empty(shape, dtype=dtype, device=g.device)
     _rooted.recv_from(out, g.device_group, peer)
     return out

@@ -313,7 +313,7 @@ def abort_group(pg: dist.ProcessGroup, device: torch.device) -> bool:
     aborted; gloo's time out on their own. ``ProcessGroup.abort`` (newer torch) or the
     backend's own ``abort``/``_abort`` (older); False where neither exists.
     """
-    for target in (pg, _backend_of(pg, device)):
+    for target in (pg, _pg_backend(pg, device)):
         for name in ("abort", "_abort"):
             method = getattr(target, name, None)
             if callable(method):
@@ -322,7 +322,7 @@ def abort_group(pg: dist.ProcessGroup, device: torch.device) -> bool:
     return False
 
 
-def _backend_of(pg: dist.ProcessGroup, device: torch.device) -> Any:
+def _pg_backend(pg: dist.ProcessGroup, device: torch.device) -> Any:
     try:
         return pg._get_backend(device)
     except (RuntimeError, AttributeError):

@@ -23,8 +23,9 @@ from . import _compat, _departures, _env, _stall, _subgroups, _topology
 from ._compat import HashStore, PrefixStore, Store, TCPStore
 from ._env import DEFAULT_ON_STALL
 from ._errors import PdistError, trim_traceback
-from ._group import CONTEXT_GROUPS, DistContext, Lifetime
+from ._group import DistContext, Lifetime
 from ._guard import Deadline, probe_world
+from ._layout import CONTEXT_GROUPS, KEYWORDS
 
 __all__ = ["distributed", "probe_accelerator"]
 
@@ -52,9 +53,7 @@ class _Distributed:
     """The single-use context manager returned by [`distributed`][pdist.distributed]."""
 
     def __init__(self, settings: _env.Settings, store: Store | None) -> None:
-        self._settings = settings
-        self._store = store
-        self._state = "new"
+        self._settings, self._store, self._state = settings, store, "new"
         self._lifetime: Lifetime | None = None
         self._restore: list[Any] = []
         self._watch: _stall.Watch | None = None
@@ -69,9 +68,8 @@ class _Distributed:
             )
             raise PdistError(msg)
         self._state = "entered"
-        lifetime = self._lifetime = Lifetime()
         try:
-            return self._start(lifetime)
+            return self._start()
         except BaseException:
             self._close()
             raise
@@ -82,7 +80,7 @@ class _Distributed:
             return None
         return f"{launch.master_addr}:{launch.master_port}"
 
-    def _start(self, lifetime: Lifetime) -> DistContext:
+    def _start(self) -> DistContext:
         settings = self._settings
         launch = settings.launch
         deadline = Deadline(
@@ -96,7 +94,7 @@ class _Distributed:
         )
         deadline.arm()
         try:
-            ctx = self._build(lifetime, deadline)
+            ctx = self._build(deadline)
         except Exception as exc:
             # Past the deadline, a failure is most likely a peer that gave up at its own
             # deadline (rank 0 taking the store with it): end as the watchdog would.
@@ -111,31 +109,20 @@ class _Distributed:
             before = _topology.apply_gpu_affinity(ctx.device)
             if before is not None:
                 self._restore.append(lambda: os.sched_setaffinity(0, before))
-        self._start_watch(lifetime, ctx)
+        self._start_watch(ctx)
         return ctx
 
     def _watched(self) -> bool:
         s = self._settings
         return s.stall_timeout is not None and s.launch.world_size > 1
 
-    def _start_watch(self, lifetime: Lifetime, ctx: DistContext) -> None:
-        settings = self._settings
-        if not self._watched() or self._block is None or settings.stall_timeout is None:
+    def _start_watch(self, ctx: DistContext) -> None:
+        if not self._watched() or self._block is None:
             return
         store, prefix = self._block
-        self._watch = _stall.Watch(
-            lifetime=lifetime,
-            rank=settings.launch.rank,
-            world_size=settings.launch.world_size,
-            stall_timeout=settings.stall_timeout,
-            on_stall=settings.on_stall,
-            answer=settings.stall_answer,
-            store=store,
-            prefix=prefix,
-            hosts_store=self._hosts_store,
-        )
-        names = ("world", "node", *ctx.layout.group_names)
-        self._watch.start([ctx.group(name) for name in names])
+        lifetime = ctx.world.lifetime
+        self._watch = _stall.Watch(self._settings, lifetime, store, prefix, self._hosts_store)
+        self._watch.start([ctx.group(name) for name in ctx.layout.context_groups])
 
     def _bind_device(self) -> None:
         device = self._settings.device
@@ -208,7 +195,7 @@ class _Distributed:
         )
         lifetime.owns_default()
 
-    def _build(self, lifetime: Lifetime, deadline: Deadline) -> DistContext:
+    def _build(self, deadline: Deadline) -> DistContext:
         settings = self._settings
         launch = settings.launch
         if self._watched() and not settings.adopt:  # before the first group: torch reads it once
@@ -223,31 +210,25 @@ class _Distributed:
         generation = deadline.check_in(store, "startup")
         # A second block in the same job must never read the first one's (closed) addresses.
         self._block = (store, f"pdist/block/{generation}")
-        lifetime.exit_records = self._block
-        lifetime.check = settings.check
+        lifetime = self._lifetime = Lifetime(
+            check=settings.check,
+            subgroup_timeout=settings.subgroup_timeout,
+            exit_records=self._block,
+        )
         store = PrefixStore(f"pdist/block/{generation}", store)
         if not settings.adopt:
             self._init_world(lifetime, store, deadline)
         deadline.stage = "building the world groups"
-        world = _subgroups.build_world(
-            rank=launch.rank,
-            world_size=launch.world_size,
-            device=settings.device,
-            lifetime=lifetime,
-            timeout=settings.timeout,
-        )
+        world = _subgroups.build_world(settings, lifetime)
         layout = settings.layout
         deadline.stage = f"building the groups {', '.join(layout.group_names)}"
-        # With the layout, every setting that changes what goes on the wire: check mode adds
-        # an agreement before each call, the backend and device type make the communicator.
-        wire = f"check={settings.check}, backend={settings.backend}, device={settings.device.type}"
-        timeout = settings.subgroup_timeout
-        axes = _subgroups.build_axes(world, layout, timeout=timeout, settings=wire)
+        groups = _subgroups.build_axes(world, settings)
         deadline.stage = "detecting which ranks share a host"
         nodes = _topology.node_partition(world)
         deadline.stage = "building the node groups"
-        node = _subgroups.build_partition(world, "node", nodes, timeout=settings.subgroup_timeout)
+        node = _subgroups.build_partition(world, "node", nodes)
         assert node is not None  # the hosts cover the world
+        groups.update(world=world, node=node)
         ctx = DistContext(
             rank=launch.rank,
             world_size=launch.world_size,
@@ -255,10 +236,8 @@ class _Distributed:
             device=settings.device,
             backend=settings.backend,
             layout=layout,
-            world=world,
-            node=node,
-            **{name: axes[name] for name in CONTEXT_GROUPS[2:]},
-            named_axes=tuple((n, axes[n]) for n in layout.names if n not in CONTEXT_GROUPS),
+            **{name: groups[name] for name in CONTEXT_GROUPS},
+            named_axes=tuple((n, groups[n]) for n in layout.names if n not in CONTEXT_GROUPS),
         )
         if world.device_group is not world.cpu_group:
             # Host detection ran on the gloo groups: the accelerator's world communicator
@@ -418,27 +397,10 @@ def distributed(
         PdistError: Entered twice, or the hosts hold different numbers of ranks (on every
             rank).
     """
-    settings = _env.resolve_settings(
-        tp=tp,
-        sp=sp,
-        cp=cp,
-        pp=pp,
-        ep=ep,
-        axes=axes,
-        backend=backend,
-        device=device,
-        timeout=timeout,
-        startup_timeout=startup_timeout,
-        l2_fetch_granularity=l2_fetch_granularity,
-        stall_timeout=stall_timeout,
-        on_stall=on_stall,
-        check=check,
-        store_given=store is not None,
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        cpu_affinity=cpu_affinity,
-        accelerator=probe_accelerator(),
-        adopted=_adopted(),
-    )
+    # The signature above is the one place the arguments are written: they travel as one value.
+    given = dict(locals())
+    store = given.pop("store")
+    sizes = {name: given.pop(name) for name in KEYWORDS}
+    request = _env.Request(sizes=sizes, store_given=store is not None, **given)
+    settings = _env.resolve_settings(request, accelerator=probe_accelerator(), adopted=_adopted())
     return _Distributed(settings, store)

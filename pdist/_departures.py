@@ -43,9 +43,10 @@ from typing import Any, NamedTuple, TypeVar
 from . import _compat
 from ._compat import PrefixStore, Store, TCPStore
 from ._errors import PdistError, PeerLeftError
-from ._group import Group, Lifetime
+from ._group import Group, Lifetime, RollCall
 
 __all__ = [
+    "HINT",
     "LINK_PREFIX",
     "PeerLeftError",
     "StoreGoneError",
@@ -70,8 +71,6 @@ _PRIMARY, _ECHO = "P", "E"  # a rank's own failure / the echo of a peer's depart
 # How long a rank's roll-call thread waits for a roll call (bounded, principle 15; a store
 # wait that times out makes torch log, so it is long). It ends with the store, or on a call.
 _LISTEN = timedelta(hours=1)
-_LISTENER = "_pdist_roll_call"  # the Lifetime attribute: this block's thread is started
-_CALLS = "_pdist_store_calls"  # the Lifetime attribute: the block's connection for short calls
 _PACKAGES = tuple(
     os.path.dirname(m.__file__ or "") + os.sep
     for m in (sys.modules["torch"], sys.modules[__name__.rsplit(".", 1)[0]])
@@ -226,29 +225,29 @@ def record(
         bounded(write)
 
 
-def _parse(rank: int, raw: str) -> _Left:
+def _parse_record(rank: int, raw: str) -> _Left:
     """A peer's record (plain text, never code): ``P|line`` or ``E<ranks>|line``."""
     head, _, line = raw.partition("|")
     after = tuple(int(x) for x in head[1:].split(",") if x.isdigit())
     return _Left(rank, head[:1] != _ECHO, after, line)
 
 
-def _records(conn: Store, prefix: str, ranks: Iterable[int]) -> list[_Left]:
+def _record_keys(conn: Store, prefix: str, ranks: Iterable[int]) -> list[_Left]:
     """The exit records of ``ranks`` that left one, in rank order (unbounded: bound it)."""
     wanted = sorted(set(ranks))
     if not wanted or conn.add(f"{prefix}/left/count", 0) == 0:
         return []
     keys = {r: f"{prefix}/left/{r}" for r in wanted}
     got = [(r, k) for r, k in keys.items() if conn.check([k])]
-    return [_parse(r, conn.get(k).decode(errors="replace")) for r, k in got]
+    return [_parse_record(r, conn.get(k).decode(errors="replace")) for r, k in got]
 
 
-def _read(lifetime: Lifetime, ranks: Iterable[int]) -> list[_Left]:
+def _read_records(lifetime: Lifetime, ranks: Iterable[int]) -> list[_Left]:
     """The exit records of ``ranks`` that left one, in rank order (bounded)."""
     if lifetime.exit_records is None:
         return []
     store, prefix = lifetime.exit_records
-    return bounded(lambda: _records(_calls(lifetime, store), prefix, ranks))
+    return bounded(lambda: _record_keys(_calls(lifetime, store), prefix, ranks))
 
 
 def _listen(group: Group) -> None:
@@ -263,14 +262,14 @@ def _listen(group: Group) -> None:
     not the store (a link's member 0 must be able to free its port).
     """
     lifetime = group.lifetime
-    if lifetime.exit_records is None or group.world_size == 1 or _LISTENER in vars(lifetime):
+    if lifetime.exit_records is None or group.world_size == 1 or lifetime.roll_call is not None:
         return
-    mine = object()
-    if vars(lifetime).setdefault(_LISTENER, mine) is not mine:
-        return  # another thread of this rank started it
     store, prefix = lifetime.exit_records
     call, here = f"{prefix}/roll/{group.rank}", f"{prefix}/here/{group.rank}"
-    ready = threading.Event()
+    listener = RollCall(call=call)
+    if not lifetime.claim_roll_call(listener):
+        return  # another thread of this rank started it
+    ready = listener.ready
 
     def run() -> None:
         try:
@@ -281,7 +280,7 @@ def _listen(group: Group) -> None:
             if conn is None:
                 return
             conn.set(f"{prefix}/listening/{group.rank}", "1")
-            vars(lifetime)[_CALLS] = _connection(store)
+            listener.connection = _connection(store)
         except Exception:  # no store to answer through: this rank is "not known"
             return
         finally:
@@ -290,13 +289,13 @@ def _listen(group: Group) -> None:
 
     thread = threading.Thread(target=run, name="pdist-roll-call", daemon=True)
     thread.start()
-    vars(lifetime)[_LISTENER] = (call, thread, ready)  # closing the block ends the thread
+    listener.thread = thread  # closing the block ends the thread
     ready.wait(_WAIT)
 
 
 def _calls(lifetime: Lifetime, store: Store) -> Store:
     """The block's connection for short calls, or a new one if it has none (yet)."""
-    conn = vars(lifetime).get(_CALLS)
+    conn = lifetime.roll_call.connection if lifetime.roll_call is not None else None
     return conn if conn is not None else _connection(store)
 
 
@@ -306,18 +305,18 @@ def stop_listening(lifetime: Lifetime) -> None:
     Its wait would otherwise hold a store connection for up to ``_LISTEN`` after the block
     (the launcher's store outlives it); a rank that left through an error ended it already.
     """
-    listener = vars(lifetime).get(_LISTENER)
-    if lifetime.exit_records is None or lifetime.store_gone or not isinstance(listener, tuple):
-        return
-    store = lifetime.exit_records[0]
-    call, thread, ready = listener
+    listener = lifetime.roll_call
+    records = lifetime.exit_records
+    if records is None or lifetime.store_gone or listener is None or listener.thread is None:
+        return  # no thread started (yet)
+    store, call, thread, ready = records[0], listener.call, listener.thread, listener.ready
     # A thread still connecting would be inside torch's client as the process exits (an
     # abort): a late connection is waited for, within two store waits.
     ready.wait(2 * _WAIT)
     with contextlib.suppress(StoreGoneError):
         bounded(lambda: _calls(lifetime, store).set(call, "exit"))
         thread.join(_STORE_TIMEOUT)  # no pdist thread outlives a clean block
-    vars(lifetime).pop(_CALLS, None)  # its connection closes with the block
+    listener.connection = None  # its connection closes with the block
 
 
 def _answer(conn: Store, call: str, here: str) -> None:
@@ -408,9 +407,9 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     def look() -> tuple[list[int], set[int], list[_Left]]:
         conn = _calls(group.lifetime, store)  # made before the failure (a new one can be slow)
         missing, listening = _roll_call(conn, group, prefix)
-        left = _records(conn, prefix, others)
+        left = _record_keys(conn, prefix, others)
         cited = {r for x in left if not x.primary for r in x.after} - {*others, group.rank}
-        return missing, listening, left + _records(conn, prefix, cited)  # not members
+        return missing, listening, left + _record_keys(conn, prefix, cited)  # not members
 
     # A store that takes seconds to answer under load is not gone: a wide bound, and a
     # second look within it after a look that failed (a refused connect fails both at once;
@@ -441,22 +440,45 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     return PeerLeftError("; ".join([*lines, where]), ranks=causes)
 
 
-@contextlib.contextmanager
-def naming(group: Group, what: str) -> Iterator[None]:
-    """Collectives of ``what`` whose failure raises as ``explained``'s error, if any.
+_MISMATCH = ("mismatch", "does not match", "doesn't match")  # the backends' words
 
-    Wrap only communicator calls: a local ``RuntimeError`` would start a roll call, and
-    its peers, still in the collective, would not answer it. The first one of a block
-    starts this rank's roll-call thread (``_listen``).
+HINT = (
+    "turn on check mode (pdist.distributed(check=True) or PDIST_CHECK=1) and every rank "
+    "raises a RankMismatchError naming each rank's shapes and dtypes"
+)
+
+
+@contextlib.contextmanager
+def naming(group: Group, what: str, *, counted: bool = False) -> Iterator[None]:
+    """The one wrapper that turns a backend's failure of ``what`` into one naming its cause.
+
+    A peer that left its block is named (``explained``); else a size mismatch the backend
+    reports (rather than aborting the process, as gloo mostly does) gets check mode's
+    hint. ``counted``: a collective of its own, numbered per group name (``all_reduce
+    #6``), so that a survivor's message says which call of the job it was in. Wrap only
+    communicator calls: a local ``RuntimeError`` would start a roll call, and its peers,
+    still in the collective, would not answer it. The first one of a block starts this
+    rank's roll-call thread (``_listen``).
     """
+    if counted:
+        calls = group.lifetime.calls
+        calls[group.name] = number = calls.get(group.name, 0) + 1
+        what = f"{what} #{number}"
     _listen(group)
     try:
         yield
     except RuntimeError as exc:
         better = explained(group, what, exc)
-        if better is None:
+        if better is not None:
+            raise better from exc
+        text = str(exc).strip()
+        if isinstance(exc, PdistError) or not any(m in text.lower() for m in _MISMATCH):
             raise
-        raise better from exc
+        msg = (
+            f"{what} on group {group.name!r} (rank {group.rank}): the ranks' tensors "
+            f"do not match ({text.splitlines()[0]}); {HINT}"
+        )
+        raise PdistError(msg) from exc
 
 
 def wait_all(group: Group, works: Iterable[Any], what: str) -> None:
@@ -477,7 +499,7 @@ def left_block(lifetime: Lifetime, rank: int, world_size: int, exc: BaseExceptio
     if isinstance(exc, RuntimeError) and not isinstance(exc, PeerLeftError):
         # Perhaps a collective pdist does not run (DDP, a raw dist.all_reduce) failed.
         try:
-            left = _read(lifetime, (r for r in range(world_size) if r != rank))
+            left = _read_records(lifetime, (r for r in range(world_size) if r != rank))
         except StoreGoneError:
             lines = ["the rendezvous store does not answer: its host (rank 0) most likely exited"]
         else:

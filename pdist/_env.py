@@ -14,12 +14,12 @@ import os
 import re
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal, overload
+from typing import Any
 
 import attrs
 import torch
 
-from ._layout import Layout, make_axes_layout, make_layout
+from ._layout import KEYWORDS, Layout, make_axes_layout, make_layout
 
 __all__ = [
     "DEFAULT_BACKENDS",
@@ -33,7 +33,9 @@ __all__ = [
     "Accelerator",
     "Adopted",
     "Launch",
+    "Request",
     "Settings",
+    "collective_seconds",
     "deadline_seconds",
     "detect_launch",
     "device_and_backend",
@@ -105,30 +107,25 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
     """Read the launcher's variables: torchrun's first, then SLURM's, else a one-rank world."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        launch = Launch(
-            launcher="torchrun",
-            rank=_int_var(env, "RANK"),
-            world_size=_int_var(env, "WORLD_SIZE"),
-            local_rank=_int_var(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
-        )
+        launcher, names = "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        addr, port = env.get("MASTER_ADDR"), None
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher, names = "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
         job_id = _int_var(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
-        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
-        launch = Launch(
-            launcher="slurm",
-            rank=_int_var(env, "SLURM_PROCID"),
-            world_size=_int_var(env, "SLURM_NTASKS"),
-            local_rank=_int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            master_addr=addr or "127.0.0.1",
-            # A port derived from the job id keeps two jobs sharing a node apart.
-            master_port=(
-                _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + job_id % 20000
-            ),
-        )
+        first = _first_slurm_host(env.get("SLURM_JOB_NODELIST", ""))
+        addr = env.get("MASTER_ADDR") or first or "127.0.0.1"
+        port = 20000 + job_id % 20000  # derived from the job: two jobs sharing a node stay apart
     else:
         return Launch(launcher="none", rank=0, world_size=1, local_rank=0)
+    rank, world_size, local_rank = names
+    launch = Launch(
+        launcher=launcher,
+        rank=_int_var(env, rank),
+        world_size=_int_var(env, world_size),
+        local_rank=_int_var(env, local_rank) if local_rank in env else 0,
+        master_addr=addr,
+        master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else port,
+    )
     if launch.world_size < 1 or launch.rank >= launch.world_size:
         msg = (
             f"launcher {launch.launcher!r} gave rank={launch.rank} and "
@@ -153,36 +150,17 @@ def to_seconds(value: float | timedelta, name: str) -> float:
     return seconds
 
 
-@overload
-def env_seconds(
-    name: str,
-    default: float,
-    *,
-    zero_means_forever: Literal[False] = False,
-    environ: Mapping[str, str] | None = None,
-) -> float: ...
-
-
-@overload
-def env_seconds(
-    name: str,
-    default: float,
-    *,
-    zero_means_forever: bool,
-    environ: Mapping[str, str] | None = None,
-) -> float | None: ...
-
-
 def env_seconds(
     name: str,
     default: float,
     *,
     zero_means_forever: bool = False,
     environ: Mapping[str, str] | None = None,
-) -> float | None:
+) -> float:
     """Seconds from the variable ``name``; unset gives ``default``, so does a bad value (warning).
 
-    ``0`` gives None (forever) when ``zero_means_forever``, else it is bad too.
+    ``0`` gives ``0.0`` (forever: the caller reads it so) when ``zero_means_forever``, else it
+    is bad too.
     """
     env = os.environ if environ is None else environ
     raw = env.get(name, "").strip()
@@ -193,7 +171,7 @@ def env_seconds(
     except ValueError:
         seconds = math.nan
     if seconds == 0 and zero_means_forever:
-        return None
+        return 0.0
     if not math.isfinite(seconds) or seconds <= 0:
         expected = "a finite number >= 0" if zero_means_forever else "a finite number > 0"
         msg = "pdist: ignoring %s=%r (expected %s of seconds); using the default %gs"
@@ -228,8 +206,7 @@ def env_backend(environ: Mapping[str, str] | None = None) -> str | None:
 
 def world_comm_timeout(environ: Mapping[str, str] | None = None) -> float | None:
     """The start-up deadline from ``PDIST_WORLD_COMM_TIMEOUT_SEC``: seconds, or None (forever)."""
-    name, default = "PDIST_WORLD_COMM_TIMEOUT_SEC", DEFAULT_WORLD_COMM_TIMEOUT_SEC
-    return env_seconds(name, default, zero_means_forever=True, environ=environ)
+    return deadline_seconds(None, "", environ)
 
 
 KNOWN_BACKENDS = ("gloo", "nccl", "xccl", "hccl", "mpi", "ucc")
@@ -260,6 +237,33 @@ class Adopted:
 
 
 @attrs.frozen(kw_only=True)
+class Request:
+    """``distributed()``'s arguments as the caller passed them; ``resolve_settings`` checks them.
+
+    ``sizes``: the layout keywords given (``tp=``, ``sp=``, ``cp=``, ``pp=``: the keyword
+    axes of ``_layout.GROUPS``), by name; ``store_given``: a store was passed in. The other
+    fields are ``distributed()``'s arguments of the same names.
+    """
+
+    sizes: Mapping[str, int] = attrs.field(factory=dict)
+    ep: int = 1
+    axes: Mapping[str, int] | None = None
+    backend: str | None = None
+    device: str | torch.device | int | None = None
+    timeout: float | timedelta | None = None
+    startup_timeout: float | timedelta | None = None
+    l2_fetch_granularity: int | None = None
+    stall_timeout: float | timedelta | None = None
+    on_stall: str = DEFAULT_ON_STALL
+    check: bool = False
+    store_given: bool = False
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    cpu_affinity: bool = True
+
+
+@attrs.frozen(kw_only=True)
 class Settings:
     """Everything ``distributed()`` needs to know before it touches torch.distributed.
 
@@ -282,15 +286,6 @@ class Settings:
     cpu_affinity: bool
     adopt: bool
     check: bool = False  # check mode: every tensor collective first agrees on its arguments
-
-
-def _check_rank_arg(name: str, value: object) -> None:
-    least = 1 if name == "world_size" else 0
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-        return
-    what = "a positive int (the number of ranks in the job)" if least else "a non-negative int"
-    msg = f"{name}={value!r} must be {what}"
-    raise ValueError(msg)
 
 
 def _in_range(device: object, kind: str, index: int, accelerator: Accelerator) -> torch.device:
@@ -375,27 +370,37 @@ def device_and_backend(
     backend: str | None,
     index: int,
     accelerator: Accelerator | None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[torch.device, str]:
     """A device and backend as ``distributed()`` resolves them (``index``: the default one)."""
-    requested = backend if backend is not None else env_backend()
+    requested = backend if backend is not None else env_backend(environ)
     source = "backend" if backend is not None else "PDIST_BACKEND"
     resolved = _resolve_device(device, requested, index, accelerator)
     return resolved, _resolve_backend(requested, resolved, accelerator, source)
 
 
-def _off_or_seconds(value: float | timedelta, name: str) -> float | None:
-    """A duration argument where ``0`` (or a zero ``timedelta``) means "none": None then."""
+def collective_seconds(
+    timeout: float | timedelta | None, environ: Mapping[str, str] | None = None
+) -> float:
+    """A collective timeout argument as seconds: None reads ``PDIST_TIMEOUT_SEC`` (1800 s)."""
+    if timeout is None:
+        return env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=environ)
+    return to_seconds(timeout, "timeout")
+
+
+def deadline_seconds(
+    value: float | timedelta | None,
+    name: str,
+    environ: Mapping[str, str] | None = None,
+    var: tuple[str, float] = ("PDIST_WORLD_COMM_TIMEOUT_SEC", DEFAULT_WORLD_COMM_TIMEOUT_SEC),
+) -> float | None:
+    """A deadline argument as seconds, or None (``0``: forever); None reads ``var``, its default."""
+    if value is None:
+        return env_seconds(*var, zero_means_forever=True, environ=environ) or None
     zero = timedelta(0) if isinstance(value, timedelta) else 0
     if not isinstance(value, bool) and isinstance(value, (int, float, timedelta)) and value == zero:
         return None
     return to_seconds(value, name)
-
-
-def deadline_seconds(
-    value: float | timedelta | None, name: str, environ: Mapping[str, str] | None = None
-) -> float | None:
-    """A deadline argument as seconds, or None (forever): None reads ``world_comm_timeout``."""
-    return world_comm_timeout(environ) if value is None else _off_or_seconds(value, name)
 
 
 def _on_stall(value: object, environ: Mapping[str, str]) -> str:
@@ -422,11 +427,8 @@ def stall_settings(
     wrote wins. The answer wait reads ``PDIST_STALL_ANSWER_SEC``.
     """
     env = os.environ if environ is None else environ
-    if stall_timeout is None:
-        name, default = "PDIST_STALL_TIMEOUT_SEC", DEFAULT_STALL_TIMEOUT_SEC
-        seconds = env_seconds(name, default, zero_means_forever=True, environ=env)
-    else:
-        seconds = _off_or_seconds(stall_timeout, "stall_timeout")
+    var = ("PDIST_STALL_TIMEOUT_SEC", DEFAULT_STALL_TIMEOUT_SEC)
+    seconds = deadline_seconds(stall_timeout, "stall_timeout", env, var)
     answer = env_seconds("PDIST_STALL_ANSWER_SEC", DEFAULT_STALL_ANSWER_SEC, environ=env)
     return seconds, _on_stall(on_stall, env), answer
 
@@ -439,7 +441,13 @@ def _launch(
 ) -> Launch:
     """The launcher's description, with the adopted group's and the caller's overrides."""
     for name, value in overrides.items():
-        _check_rank_arg(name, value)
+        least = 1 if name == "world_size" else 0
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if value is None or (is_int and value >= least):
+            continue
+        what = "a positive int (the number of ranks in the job)" if least else "a non-negative int"
+        msg = f"{name}={value!r} must be {what}"
+        raise ValueError(msg)
     launch = detect_launch(env)
     if adopted is not None:
         for name, actual in (("rank", adopted.rank), ("world_size", adopted.world_size)):
@@ -478,16 +486,11 @@ def _l2_fetch_granularity(value: object) -> int | None:
 
 
 def resolve_layout(
-    world_size: int,
-    *,
-    tp: int = 1,
-    sp: int = 1,
-    cp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    axes: Mapping[str, int] | None = None,
+    world_size: int, *, ep: int = 1, axes: Mapping[str, int] | None = None, **sizes: int
 ) -> Layout:
     """The layout of ``distributed()``'s size arguments (pure: the same error on every rank).
+
+    ``sizes``: the keyword axes' (``tp=``, ``sp=``, ``cp=``, ``pp=``); ``axes``: user-named ones.
 
     Raises:
         TypeError: A size that is no int, or ``axes`` that is no mapping of str to int.
@@ -495,16 +498,13 @@ def resolve_layout(
             do not fit the world (see ``make_layout``).
     """
     if axes is None:
-        return make_layout(world_size, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep)
-    given = {
-        n: v
-        for n, v in (("tp", tp), ("sp", sp), ("cp", cp), ("pp", pp))
-        if type(v) is not int or v != 1
-    }
+        return make_layout(world_size, ep=ep, **sizes)
+    given = {n: sizes[n] for n in KEYWORDS if n in sizes}  # in the keywords' order
+    given = {n: v for n, v in given.items() if type(v) is not int or v != 1}
     if given:
         shown = ", ".join(f"{n}={v!r}" for n, v in given.items())
         msg = (
-            f"axes= excludes the tp/sp/cp/pp keywords, but {shown} was given as well; "
+            f"axes= excludes the {'/'.join(KEYWORDS)} keywords, but {shown} was given as well; "
             f"name every axis inside axes, e.g. axes={{'dp': -1, {next(iter(given))!r}: "
             f"{next(iter(given.values()))!r}}}"
         )
@@ -513,66 +513,43 @@ def resolve_layout(
 
 
 def resolve_settings(
+    request: Request,
     *,
-    tp: int = 1,
-    sp: int = 1,
-    cp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    axes: Mapping[str, int] | None = None,
-    backend: str | None = None,
-    device: str | torch.device | int | None = None,
-    timeout: float | timedelta | None = None,
-    startup_timeout: float | timedelta | None = None,
-    l2_fetch_granularity: int | None = None,
-    stall_timeout: float | timedelta | None = None,
-    on_stall: str = DEFAULT_ON_STALL,
-    check: bool = False,
-    store_given: bool = False,
-    rank: int | None = None,
-    world_size: int | None = None,
-    local_rank: int | None = None,
-    cpu_affinity: bool = True,
     environ: Mapping[str, str] | None = None,
     accelerator: Accelerator | None = None,
     adopted: Adopted | None = None,
 ) -> Settings:
     """``distributed()``'s arguments and the environment as ``Settings`` (pure).
 
-    Besides ``distributed()``'s: ``store_given`` (a store was passed in), ``accelerator``
-    (None on a CPU-only machine) and ``adopted`` (the initialized default group, if any).
-    Check mode is on when ``check`` is true or ``PDIST_CHECK`` says so.
+    Besides the ``request``: ``environ`` (default ``os.environ``), ``accelerator`` (None on a
+    CPU-only machine) and ``adopted`` (the initialized default group, if any). Check mode is
+    on when ``check`` is true or ``PDIST_CHECK`` says so.
     """
-    if not isinstance(check, bool):
-        msg = f"check={check!r} must be True or False"
+    r = request
+    if not isinstance(r.check, bool):
+        msg = f"check={r.check!r} must be True or False"
         raise TypeError(msg)
     env = os.environ if environ is None else environ
-    overrides = {"rank": rank, "world_size": world_size, "local_rank": local_rank}
-    launch = _launch(env, overrides, adopted, store_given)
-    layout = resolve_layout(launch.world_size, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, axes=axes)
-    requested = backend if backend is not None else env_backend(env)
-    source = "backend" if backend is not None else "PDIST_BACKEND"
-    resolved_device = _resolve_device(device, requested, launch.local_rank, accelerator)
-    resolved_backend = _resolve_backend(requested, resolved_device, accelerator, source)
-    if timeout is None:
-        seconds = env_seconds("PDIST_TIMEOUT_SEC", DEFAULT_TIMEOUT_SEC, environ=env)
-    else:
-        seconds = to_seconds(timeout, "timeout")
+    overrides = {"rank": r.rank, "world_size": r.world_size, "local_rank": r.local_rank}
+    launch = _launch(env, overrides, adopted, r.store_given)
+    layout = resolve_layout(launch.world_size, ep=r.ep, axes=r.axes, **r.sizes)
+    device, backend = device_and_backend(r.device, r.backend, launch.local_rank, accelerator, env)
+    seconds = collective_seconds(r.timeout, env)
     sub_seconds = env_seconds("PDIST_SUBGROUP_TIMEOUT_SEC", seconds, environ=env)
-    stall, mode, answer = stall_settings(stall_timeout, on_stall, env)
+    stall, mode, answer = stall_settings(r.stall_timeout, r.on_stall, env)
     return Settings(
         launch=launch,
         layout=layout,
-        backend=resolved_backend if adopted is None else adopted.backend,
-        device=resolved_device,
+        backend=backend if adopted is None else adopted.backend,
+        device=device,
         timeout=timedelta(seconds=seconds),
         subgroup_timeout=timedelta(seconds=sub_seconds),
-        startup_timeout=deadline_seconds(startup_timeout, "startup_timeout", env),
-        l2_fetch_granularity=_l2_fetch_granularity(l2_fetch_granularity),
+        startup_timeout=deadline_seconds(r.startup_timeout, "startup_timeout", env),
+        l2_fetch_granularity=_l2_fetch_granularity(r.l2_fetch_granularity),
         stall_timeout=stall,
         on_stall=mode,
         stall_answer=answer,
-        cpu_affinity=bool(cpu_affinity),
+        cpu_affinity=bool(r.cpu_affinity),
         adopt=adopted is not None,
-        check=check or env_flag("PDIST_CHECK", False, env),
+        check=r.check or env_flag("PDIST_CHECK", False, env),
     )

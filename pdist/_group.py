@@ -17,17 +17,18 @@ import torch.distributed as dist
 from ._compat import Store, before_destroying_groups
 from ._errors import PdistError
 from ._inflight import InFlight
-from ._layout import Layout
+from ._layout import CONTEXT_GROUPS, Layout
 
 __all__ = [
-    "CONTEXT_GROUPS",
     "Built",
     "DistContext",
     "Group",
     "HeaderTransport",
     "Lifetime",
     "ProcessGroup",
+    "RollCall",
     "as_group",
+    "standalone_group",
 ]
 
 logger = logging.getLogger("pdist")
@@ -61,35 +62,79 @@ class Built:
     member: bool
     timeout: timedelta
 
+    def group(self, name: str, rank: int, device: torch.device, lifetime: Lifetime) -> Group:
+        """The Group of global rank ``rank``, one of ``ranks``, over these keys of ``lifetime``."""
+        return Group(
+            name=name,
+            ranks=self.ranks,
+            rank=rank,
+            rank_in_group=self.ranks.index(rank),
+            device=device,
+            timeout=self.timeout,
+            lifetime=lifetime,
+            device_key=self.device_key,
+            cpu_key=self.cpu_key,
+        )
 
+
+@attrs.define(kw_only=True, eq=False)
+class RollCall:
+    """This rank's roll-call thread of a block (``_departures``), from the moment it is claimed.
+
+    Attributes:
+        call: The store key a roll call (or the block's exit) is written to.
+        ready: Set once the thread has made its connections, or failed to.
+        thread: The thread, once started.
+        connection: The store connection the block's short calls share, once made.
+    """
+
+    call: str
+    ready: threading.Event = attrs.field(factory=threading.Event)
+    thread: threading.Thread | None = None
+    connection: Store | None = None
+
+
+@attrs.define(kw_only=True, eq=False)
 class Lifetime:
     """The torch process groups of one ``distributed()`` block, and whether it is still open.
 
     Groups reach torch's process groups only through it, so that once the block
     exits nothing pdist handed out keeps a destroyed group alive (torch 2.13 with
-    gloo can abort at exit while one is referenced). ``partitions``: those built so far,
-    by their blocks (asking twice builds once), and by name and blocks for the groups a user
-    names (one name, one communicator).
+    gloo can abort at exit while one is referenced). ``distributed()`` makes one per
+    block; a link or a quorum gets its own through ``standalone_group``.
+
+    Attributes:
+        check: Check mode (``distributed(check=True)``): tensor collectives agree on
+            their arguments first.
+        subgroup_timeout: The timeout of the groups built after the world (None: the world's).
+        exit_records: Where a rank leaving the block records why (``_departures``): the
+            store and the block's prefix; dropped when the block closes.
+        in_flight: The collectives in flight, for the stall watch.
+        partitions: The partitions built so far, by their blocks (asking twice builds
+            once), and by name and blocks for the groups a user names (one name, one
+            communicator).
+        calls: pdist's tensor collectives so far, per group name (a survivor's
+            "all_reduce #6").
+        roll_call: This rank's roll-call thread of the block, once claimed.
+        store_gone: A survivor found the store gone with its host: teardown skips the
+            store calls that would each wait out their bound (a frozen host accepts and
+            never answers).
+        closed: Whether the block has exited.
     """
 
-    def __init__(self) -> None:
-        self.closed = False
-        self.in_flight = InFlight()
-        self.subgroup_timeout: timedelta | None = None
-        self.partitions: dict[Blocks | tuple[str, Blocks], Built] = {}
-        # Check mode (distributed(check=True)): tensor collectives agree on their arguments first.
-        self.check = False
-        # Where a rank leaving the block records why (``_departures``): the store, its prefix.
-        self.exit_records: tuple[Store, str] | None = None
-        # A survivor found the store gone with its host: teardown skips the store calls that
-        # would each wait out their bound (a frozen host accepts and never answers).
-        self.store_gone = False
-        # pdist's tensor collectives so far, per group name (a survivor's "all_reduce #6").
-        self.calls: dict[str, int] = {}
-        self._pgs: list[ProcessGroup] = []
-        self._created: list[ProcessGroup] = []
-        self._owns_default = False
-        self._lock = threading.Lock()
+    check: bool = False
+    subgroup_timeout: timedelta | None = None
+    exit_records: tuple[Store, str] | None = None
+    in_flight: InFlight = attrs.field(factory=InFlight, init=False)
+    partitions: dict[Blocks | tuple[str, Blocks], Built] = attrs.field(factory=dict, init=False)
+    calls: dict[str, int] = attrs.field(factory=dict, init=False)
+    roll_call: RollCall | None = attrs.field(default=None, init=False)
+    store_gone: bool = attrs.field(default=False, init=False)
+    closed: bool = attrs.field(default=False, init=False)
+    _pgs: list[ProcessGroup] = attrs.field(factory=list, init=False)
+    _created: list[ProcessGroup] = attrs.field(factory=list, init=False)
+    _owns_default: bool = attrs.field(default=False, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
     def add(self, pg: ProcessGroup, *, created: bool) -> int:
         """Keep ``pg`` and return its key; ``created`` ones are destroyed on close."""
@@ -103,6 +148,14 @@ class Lifetime:
     def owns_default(self) -> None:
         """Mark the default group as this block's: closing destroys it (and every group)."""
         self._owns_default = True
+
+    def claim_roll_call(self, roll_call: RollCall) -> bool:
+        """Whether ``roll_call`` is the block's (the first claim wins); safe from any thread."""
+        with self._lock:
+            if self.roll_call is not None:
+                return False
+            self.roll_call = roll_call
+            return True
 
     def check_open(self) -> None:
         """Raise [`PdistError`][pdist.PdistError] when the block has exited."""
@@ -131,6 +184,7 @@ class Lifetime:
             self.closed = True
             created, self._created, self._pgs = self._created, [], []
             self.partitions.clear()
+            self.exit_records = None  # a link's member 0 frees its store's port with it
         if self._owns_default or created:
             before_destroying_groups()
         # Destroying the default group destroys every group torch knows of.
@@ -268,8 +322,27 @@ class Group:
         return index
 
 
-# The groups every context holds as fields; a user-named axis lives in ``named_axes``.
-CONTEXT_GROUPS = ("world", "node", "pp", "dp", "cp", "sp", "tp", "dp_sp", "ep", "edp")
+def standalone_group(
+    *,
+    name: str,
+    rank: int,
+    size: int,
+    device: torch.device,
+    timeout: timedelta,
+    device_group: ProcessGroup,
+    cpu_group: ProcessGroup,
+    exit_records: tuple[Store, str] | None = None,
+) -> Group:
+    """A Group of process groups made outside torch's registry (a link, a quorum).
+
+    Its ranks are its own ``0..size-1``, and it gets a ``Lifetime`` of its own: closing
+    it forgets the process groups, which the caller shuts down (it made them).
+    ``exit_records``: where its members record why they left (see ``Lifetime``).
+    """
+    lifetime = Lifetime(exit_records=exit_records)
+    device_key, cpu_key = (lifetime.add(pg, created=False) for pg in (device_group, cpu_group))
+    built = Built(tuple(range(size)), device_key, cpu_key, True, timeout)
+    return built.group(name, rank, device, lifetime)
 
 
 @attrs.frozen(kw_only=True)

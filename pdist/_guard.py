@@ -100,20 +100,13 @@ class Deadline:
         hint: str,
         rendezvous: str | None = None,
     ) -> None:
-        self.seconds = seconds
-        self.rank = rank
-        self.world_size = world_size
-        self.what = what
-        self.hint = hint
-        self.rendezvous = rendezvous
-        self.stage = "starting"
+        self.seconds, self.rank, self.world_size = seconds, rank, world_size
+        self.what, self.hint, self.rendezvous, self.stage = what, hint, rendezvous, "starting"
         self._store: Store | None = None
         self._keys: list[str] = []
-        self._done = threading.Event()
-        self._aborting = threading.Lock()
+        self._done, self._aborting = threading.Event(), threading.Lock()
         self._thread: threading.Thread | None = None
-        self._start = time.monotonic()
-        self._linger = 0.0
+        self._start, self._linger = time.monotonic(), 0.0
 
     def hosts_store(self) -> None:
         """This rank hosts the store: on expiry it exits after the others read the check-ins."""

@@ -2,10 +2,7 @@
 
 A layout is an ordered list of axes, slowest- to fastest-varying, whose sizes multiply
 to the world size: ``rank = sum(coord[a] * stride[a])`` with the last axis's stride 1.
-The keyword form uses the canonical order ``pp, dp, cp, sp, tp`` (tp fastest: its
-ranks are adjacent, so they share the fastest links); ``axes={...}`` names any axes in
-any order. This table of axes is the only place an axis is declared: the groups built
-at start-up, ``DistContext.axes``, ``device_mesh`` and the stall watch all read it.
+In the keyword form tp is fastest: its ranks are adjacent, so they share the fastest links.
 
 Every group is "the ranks sharing every coordinate but those of some axes" (a
 *flattening*: one axis, ``dp_sp``, [`pdist.flatten`][pdist.flatten]), or an expert group (``ep``,
@@ -16,25 +13,71 @@ groups is built from two sorted offset lists in O(W) time and memory, never W x 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
 __all__ = [
     "CANONICAL",
+    "CONTEXT_GROUPS",
     "DERIVED",
     "EXPERT",
+    "GROUPS",
+    "KEYWORDS",
+    "GroupSpec",
     "Layout",
     "consecutive_groups",
     "make_axes_layout",
     "make_layout",
 ]
 
-CANONICAL = ("pp", "dp", "cp", "sp", "tp")  # the keyword form's axes, slowest first
-ALWAYS = ("dp", "sp", "tp")  # present in every keyword layout (size 1 allowed)
-GRADIENT = ("dp", "cp", "sp")  # the axes dp_sp flattens: data-parallel gradients average over it
-EXPERT = ("ep", "edp")  # blocks within a pipeline stage, and the ranks at one place in them
-DERIVED = ("world", "node", "dp_sp", *EXPERT)  # names a user-named axis may not take
+
+@attrs.frozen
+class GroupSpec:
+    """One group every context holds: a canonical axis of the keyword form, or a derived group.
+
+    Attributes:
+        name: The ``DistContext`` field (a derived group's name is one ``axes=`` refuses).
+        kind: ``"axis"``: a canonical axis, at its position (slowest first); ``"flat"``: the
+            ranks sharing every coordinate but those of ``flattens``; ``"expert"``: ``ep``
+            blocks of a pipeline stage, or the ranks at one place in them; ``"world"``;
+            ``"node"``: the ranks of one host (found at start-up, not by arithmetic).
+        keyword: A ``distributed()`` keyword sets its size (the axis without one is the rest).
+        always: In every keyword layout, size 1 allowed; otherwise only when > 1.
+        flattens: The axes a ``"flat"`` group varies.
+    """
+
+    name: str
+    kind: str
+    keyword: bool = False
+    always: bool = False
+    flattens: tuple[str, ...] = ()
+
+
+# The one place an axis is declared: the context's fields (in this order), the keyword form
+# of distributed(), the groups built at start-up, device_mesh and the stall watch read it.
+GROUPS = (
+    GroupSpec("world", "world"),
+    GroupSpec("node", "node"),
+    GroupSpec("pp", "axis", keyword=True),
+    GroupSpec("dp", "axis", always=True),
+    GroupSpec("cp", "axis", keyword=True),
+    GroupSpec("sp", "axis", keyword=True, always=True),
+    GroupSpec("tp", "axis", keyword=True, always=True),
+    # data-parallel gradients average over it
+    GroupSpec("dp_sp", "flat", flattens=("dp", "cp", "sp")),
+    GroupSpec("ep", "expert"),
+    GroupSpec("edp", "expert"),
+)
+_SPECS = {spec.name: spec for spec in GROUPS}
+CONTEXT_GROUPS = tuple(_SPECS)  # the groups every context holds as fields
+CANONICAL = tuple(s.name for s in GROUPS if s.kind == "axis")  # the keyword form, slowest first
+KEYWORDS = tuple(s.name for s in reversed(GROUPS) if s.keyword)  # fastest first: tp, sp, cp, pp
+_INFERRED = next(s.name for s in GROUPS if s.kind == "axis" and not s.keyword)  # dp
+EXPERT = tuple(s.name for s in GROUPS if s.kind == "expert")
+DERIVED = tuple(s.name for s in GROUPS if s.kind != "axis")  # names a user-named axis may not take
+_BUILT = tuple(s.name for s in GROUPS if s.kind in ("flat", "expert"))  # after the axes
 
 Ranks = tuple[int, ...]
 
@@ -60,13 +103,6 @@ def _check_divides(name: str, value: int, world_size: int) -> None:
             f"choose one of {_divisors(world_size)}"
         )
         raise ValueError(msg)
-
-
-def _product(values: Iterable[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 @attrs.frozen(kw_only=True)
@@ -96,44 +132,28 @@ class Layout:
         """The size of layout axis ``name``, 1 where the layout lacks it."""
         return dict(self.axes).get(name, 1)
 
-    @property
-    def pp(self) -> int:
-        """The pipeline-parallel size (1 where the layout has no ``pp``)."""
-        return self.axis_size("pp")
-
-    @property
-    def dp(self) -> int:
-        """The data-parallel size (1 where the layout has no ``dp``)."""
-        return self.axis_size("dp")
-
-    @property
-    def cp(self) -> int:
-        """The context-parallel size (1 where the layout has no ``cp``)."""
-        return self.axis_size("cp")
-
-    @property
-    def sp(self) -> int:
-        """The sequence-parallel size (1 where the layout has no ``sp``)."""
-        return self.axis_size("sp")
-
-    @property
-    def tp(self) -> int:
-        """The tensor-parallel size (1 where the layout has no ``tp``)."""
-        return self.axis_size("tp")
+    def __getattr__(self, name: str) -> int:
+        """``layout.tp`` and the like: a canonical axis's size, 1 where the layout lacks it."""
+        if name in CANONICAL:
+            return self.axis_size(name)
+        raise AttributeError(name)
 
     @property
     def group_names(self) -> tuple[str, ...]:
         """Every group a context holds but ``world`` and ``node``: the axes, then the rest."""
-        fields = tuple(a for a in CANONICAL if a not in self.names)
-        return (*self.names, *fields, "dp_sp", *EXPERT)
+        absent = tuple(a for a in CANONICAL if a not in self.names)
+        return (*self.names, *absent, *_BUILT)
+
+    @property
+    def context_groups(self) -> tuple[str, ...]:
+        """Every group a context holds: ``world``, ``node``, then ``group_names``."""
+        return (*(s.name for s in GROUPS if s.kind in ("world", "node")), *self.group_names)
 
     def describe(self) -> str:
         """The layout as its arguments were (what all ranks must agree on)."""
-        if self.keyword:
-            sizes = [f"tp={self.tp}", f"sp={self.sp}"]
-            sizes += [f"{a}={self.axis_size(a)}" for a in ("cp", "pp") if self.axis_size(a) > 1]
-        else:
-            sizes = [f"axes={dict(self.axes)!r}"]
+        shown = [a for a in KEYWORDS if _SPECS[a].always or self.axis_size(a) > 1]
+        sizes = [f"{a}={self.axis_size(a)}" for a in shown]
+        sizes = sizes if self.keyword else [f"axes={dict(self.axes)!r}"]
         return ", ".join(sizes + ([f"ep={self.ep}"] if self.ep > 1 else []))
 
     def _strides(self) -> dict[str, int]:
@@ -145,13 +165,14 @@ class Layout:
 
     def flattened(self, axis: str) -> tuple[str, ...]:
         """The layout axes a group kind varies: an axis itself, ``dp_sp``'s, none when absent."""
-        if axis == "dp_sp":
-            return tuple(a for a in self.names if a in GRADIENT)
-        if axis == "world":
+        kind = _SPECS[axis].kind if axis in _SPECS else None
+        if kind == "flat":
+            return tuple(a for a in self.names if a in _SPECS[axis].flattens)
+        if kind == "world":
             return self.names
         if axis in self.names:
             return (axis,)
-        if axis in CANONICAL:
+        if kind == "axis":
             return ()  # a canonical axis the layout lacks: one-rank groups
         msg = f"axis={axis!r} is not one of {self.group_names}"
         raise ValueError(msg)
@@ -161,8 +182,8 @@ class Layout:
         if axis == "ep":
             return self.ep
         if axis == "edp":
-            return self.world_size // self.pp // self.ep
-        return _product(self.axis_size(a) for a in self.flattened(axis))
+            return self.world_size // self.axis_size("pp") // self.ep
+        return math.prod(self.axis_size(a) for a in self.flattened(axis))
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """The coordinates of ``rank``, one per axis, slowest first."""
@@ -181,6 +202,12 @@ class Layout:
         for (_, size), c in zip(self.axes, coords, strict=True):
             rank = rank * size + c
         return rank
+
+    def _base(self, rank: int, varied: Iterable[str]) -> int:
+        """The rank with ``rank``'s coordinates, but 0 on the ``varied`` axes."""
+        strides, varied = self._strides(), set(varied)
+        coords = zip(self.names, self.coords(rank), strict=True)
+        return rank - sum(c * strides[a] for a, c in coords if a in varied)
 
     def _offsets(self, varied: Iterable[str]) -> list[int]:
         """Sorted rank offsets spanned by the ``varied`` axes from a rank with their coords 0."""
@@ -212,13 +239,28 @@ class Layout:
             return self._expert_groups(axis)
         return self._flat_groups(self.flattened(axis))
 
+    def flatten_names(self, axes: tuple[object, ...]) -> tuple[str, ...]:
+        """``axes`` in layout order; TypeError/ValueError: none, a non-str, unknown, repeated."""
+        if not axes:
+            first = self.names[0]
+            msg = f"flatten() names no axis; pass axes of the layout, e.g. flatten(ctx, {first!r})"
+            raise ValueError(msg)
+        for axis in axes:
+            if not isinstance(axis, str):
+                msg = f"axes={axes!r}: {axis!r} is not an axis name (a str)"
+                raise TypeError(msg)
+            if axis not in self.names:
+                msg = f"axes={axes!r}: {axis!r} is not an axis of the layout; "
+                msg += f"choose from {self.names}"
+                raise ValueError(msg)
+        if len(set(axes)) != len(axes):
+            msg = f"axes={axes!r} names an axis twice"
+            raise ValueError(msg)
+        return tuple(a for a in self.names if a in axes)
+
     def flatten(self, axes: Sequence[str]) -> tuple[Ranks, ...]:
         """The partition into the ranks sharing every coordinate but those of ``axes``."""
-        for axis in axes:
-            if axis not in self.names:
-                msg = f"axes={tuple(axes)!r}: {axis!r} is not an axis of the layout {self.names}"
-                raise ValueError(msg)
-        return self._flat_groups(axes)
+        return self._flat_groups(self.flatten_names(tuple(axes)))
 
     def _stage_axes(self) -> list[str]:
         """The axes of one pipeline stage: all but ``pp``."""
@@ -226,17 +268,8 @@ class Layout:
 
     def group_of(self, axis: str, rank: int) -> Ranks:
         """The ranks of the ``axis`` group that contains ``rank``, in increasing order."""
-        coords = self.coords(rank)
-        varied = self._stage_axes() if axis in EXPERT else self.flattened(axis)
-        strides = self._strides()
-        base = rank - sum(
-            c * strides[a] for a, c in zip(self.names, coords, strict=True) if a in varied
-        )
-        group = tuple(base + o for o in self._offsets(varied))
-        if axis not in EXPERT:
-            return group
-        i, ep = group.index(rank), self.ep  # group: the caller's stage
-        return group[i - i % ep : i - i % ep + ep] if axis == "ep" else group[i % ep :: ep]
+        self.coords(rank)  # a rank outside the world raises
+        return next(group for group in self.groups(axis) if rank in group)
 
     def mesh_names(self, axes: object) -> tuple[str, ...]:
         """``device_mesh``'s ``axes`` checked against the layout: None means every axis.
@@ -251,7 +284,7 @@ class Layout:
         if isinstance(axes, str) or not isinstance(axes, tuple) or not axes:
             msg = f"axes={axes!r} must be None or a non-empty tuple of axis names such as ('dp',)"
             raise TypeError(msg)
-        valid = (*self.names, "dp_sp", *EXPERT)  # not the one-rank groups of absent axes
+        valid = (*self.names, *_BUILT)  # not the one-rank groups of absent axes
         for axis in axes:
             if axis not in valid:
                 msg = f"axes={axes!r}: {axis!r} is not one of {valid}"
@@ -268,11 +301,15 @@ class Layout:
                 )
                 raise ValueError(msg)
             return axes
-        held = self.flattened("dp_sp")
-        if "dp_sp" in axes and len(axes) > 1 and set(axes) & {*held, *GRADIENT}:
-            holds = " and ".join(map(repr, held or GRADIENT))
-            msg = f"axes={axes!r}: 'dp_sp' already holds {holds}; use ('dp_sp', ...) alone"
-            raise ValueError(msg)
+        for flat in (s for s in GROUPS if s.kind == "flat" and s.name in axes):
+            held = self.flattened(flat.name)
+            if len(axes) > 1 and set(axes) & {*held, *flat.flattens}:
+                holds = " and ".join(map(repr, held or flat.flattens))
+                msg = (
+                    f"axes={axes!r}: {flat.name!r} already holds {holds}; "
+                    f"use ({flat.name!r}, ...) alone"
+                )
+                raise ValueError(msg)
         firsts = [self.names.index(self.flattened(a)[0]) for a in axes if self.flattened(a)]
         if firsts != sorted(firsts):
             msg = (
@@ -288,14 +325,9 @@ class Layout:
         ``names`` passed ``mesh_names``. Along each dim lie the caller's group of that
         kind; the caller's other coordinates stay fixed.
         """
-        coords = self.coords(rank)
         if any(n in EXPERT for n in names):
             return self._expert_mesh(names, rank)
-        strides = self._strides()
-        varied = {a for n in names for a in self.flattened(n)}
-        base = rank - sum(
-            c * strides[a] for a, c in zip(self.names, coords, strict=True) if a in varied
-        )
+        base = self._base(rank, {a for n in names for a in self.flattened(n)})
         dims = [self._offsets(self.flattened(n)) for n in names]
         ranks = tuple(base + sum(combo) for combo in itertools.product(*dims))
         return tuple(len(d) for d in dims), ranks
@@ -313,12 +345,14 @@ class Layout:
         return tuple(self.size(n) for n in names), ranks
 
 
-def _keyword_axes(world_size: int, tp: int, sp: int, cp: int, pp: int) -> list[tuple[str, int]]:
+def _keyword_axes(world_size: int, sizes: Mapping[str, int]) -> list[tuple[str, int]]:
     """Check the keyword sizes fastest first (each names the valid choices); dp is the rest."""
-    _check_divides("tp", tp, world_size)
-    rest, done = world_size // tp, [("tp", tp)]
-    for name, value in (("sp", sp), ("cp", cp), ("pp", pp)):
-        if rest % value:
+    rest, done = world_size, list[tuple[str, int]]()
+    for name in KEYWORDS:
+        value = sizes[name]
+        if not done:
+            _check_divides(name, value, world_size)
+        elif rest % value:
             over = " * ".join(n for n, _ in done)
             over = over if len(done) == 1 else f"({over})"
             given = ", ".join(f"{n}={v}" for n, v in done)
@@ -329,8 +363,8 @@ def _keyword_axes(world_size: int, tp: int, sp: int, cp: int, pp: int) -> list[t
             raise ValueError(msg)
         rest //= value
         done.append((name, value))
-    sizes = {"pp": pp, "dp": rest, "cp": cp, "sp": sp, "tp": tp}
-    return [(a, sizes[a]) for a in CANONICAL if a in ALWAYS or sizes[a] > 1]
+    full = {**sizes, _INFERRED: rest}
+    return [(a, full[a]) for a in CANONICAL if _SPECS[a].always or full[a] > 1]
 
 
 def _check_ep(ep: object, world_size: int, pp: int) -> int:
@@ -346,21 +380,25 @@ def _check_ep(ep: object, world_size: int, pp: int) -> int:
     return ep
 
 
-def make_layout(
-    world_size: int, *, tp: int = 1, sp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1
-) -> Layout:
+def make_layout(world_size: int, *, ep: int = 1, **sizes: int) -> Layout:
     """The keyword form: ``pp, dp, cp, sp, tp`` with ``dp`` inferred; ``pp``/``cp`` when > 1.
 
+    ``sizes``: the keyword axes' (``tp=``, ``sp=``, ``cp=``, ``pp=``), 1 where absent.
+
     Raises:
-        TypeError: A size is not an int (or is a bool).
+        TypeError: A size is not an int (or is a bool), or a keyword names no keyword axis.
         ValueError: A size below 1, or one that does not divide what the faster axes
             leave of the world (the message names the valid choices).
     """
+    for name in sizes:
+        if name not in KEYWORDS:
+            msg = f"make_layout() got an unexpected keyword argument {name!r}"
+            raise TypeError(msg)
     world_size = _check_size("world_size", world_size)
-    sizes = {n: _check_size(n, v) for n, v in (("tp", tp), ("sp", sp), ("cp", cp), ("pp", pp))}
-    axes = _keyword_axes(world_size, **sizes)
-    ep = _check_ep(ep, world_size, sizes["pp"])
-    return Layout(world_size=world_size, axes=tuple(axes), ep=ep, inferred="dp", keyword=True)
+    checked = {n: _check_size(n, sizes.get(n, 1)) for n in KEYWORDS}
+    axes = _keyword_axes(world_size, checked)
+    ep = _check_ep(ep, world_size, dict(axes).get("pp", 1))
+    return Layout(world_size=world_size, axes=tuple(axes), ep=ep, inferred=_INFERRED, keyword=True)
 
 
 def _check_axes(axes: object) -> list[tuple[str, int]]:
@@ -409,7 +447,7 @@ def make_axes_layout(world_size: int, axes: object, *, ep: int = 1) -> Layout:
             f"({', '.join(map(repr, unknown))}); at most one axis may be inferred"
         )
         raise ValueError(msg)
-    known = _product(s for _, s in pairs if s != -1)
+    known = math.prod(s for _, s in pairs if s != -1)
     if world_size % known or (not unknown and known != world_size):
         fix = (
             f"choose sizes that multiply to {world_size}"

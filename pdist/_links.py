@@ -2,10 +2,8 @@
 
 Member 0 hosts a ``TCPStore`` at ``address``; every member connects, checks in, and
 waits for the others with a deadline. Then the communicators are built straight from
-the store (``_compat.unregistered_group``): torch's default group, its registry and
-``dist.is_initialized()`` never see them, so a link works inside or outside
-``distributed()`` and several can be open at once. pdist addresses a link's ranks
-through the Group (``group_src``/``group_dst`` indexes), never through torch's registry.
+the store (``_compat.unregistered_group``), so torch's registry never sees them
+(principle 13).
 
 The store's keys, under ``pdist/link/<name>/``:
 
@@ -31,7 +29,7 @@ from . import _compat, _departures, _env
 from ._compat import PrefixStore, Store, TCPStore
 from ._context import probe_accelerator
 from ._errors import PdistError
-from ._group import Group, Lifetime, ProcessGroup
+from ._group import Group, ProcessGroup, standalone_group
 
 __all__ = ["link"]
 
@@ -67,16 +65,12 @@ class _Join:
 
     def __init__(self, label: str, rank: int, size: int, prefix: str, seconds: float) -> None:
         self.label, self.rank, self.size, self.prefix = label, rank, size, prefix
-        self.seconds = seconds
-        self.deadline = time.monotonic() + seconds
+        self.seconds, self.deadline = seconds, time.monotonic() + seconds
         self.store: Store | None = None  # member 0's: the server
         self.ended = ""  # what a closed store at the address said (a member that came late)
 
     def key(self, name: str) -> str:
         return self.prefix + name
-
-    def _left(self) -> float:
-        return max(self.deadline - time.monotonic(), 0.1)
 
     def connect(self, host: str, port: int) -> Store:
         """Member 0: host the store; others: connect to a store not marked ``closed``.
@@ -108,7 +102,7 @@ class _Join:
 
     def _attempt(self, host: str, port: int) -> Store | None:
         """A store, or None where the previous link's store answered (about to go)."""
-        wait = timedelta(seconds=min(self._left(), 30.0))
+        wait = timedelta(seconds=min(max(self.deadline - time.monotonic(), 0.1), 30.0))
         if self.rank == 0:
             return TCPStore(host, port, None, True, wait, wait_for_workers=False)
         store = TCPStore(host, port, None, False, wait)
@@ -185,6 +179,33 @@ class _Join:
                 time.sleep(_POLL_SEC)
         self._raise_missing(missing)
 
+    def communicators(
+        self, backend: str, device: torch.device, wait: timedelta
+    ) -> tuple[ProcessGroup, ProcessGroup]:
+        """The link's gloo group, and its tensor group (the same one on a CPU gloo link)."""
+
+        def make(kind: str, backend: str, device: torch.device, wait: timedelta) -> ProcessGroup:
+            store = PrefixStore(f"{self.prefix}{kind}/", cast("Store", self.store))
+            return _compat.unregistered_group(store, self.rank, self.size, backend, device, wait)
+
+        try:
+            cpu = make("cpu", "gloo", torch.device("cpu"), wait)
+            if device.type == "cpu" and backend == "gloo":
+                return cpu, cpu
+            # Later than the gloo group's: pdist's watchdog aborts a stuck NCCL communicator
+            # and raises naming the member that left, before torch's own ends the process.
+            later = wait + timedelta(seconds=_DEVICE_MARGIN_SEC)
+            try:
+                return cpu, make("device", backend, device, later)
+            except Exception:
+                _compat.shutdown_group(cpu)
+                raise
+        except Exception as exc:  # every member had joined: one went away since, or the network
+            msg = (
+                f"{self.label}: building the communicators failed on link rank {self.rank} ({exc})"
+            )
+            raise PdistError(msg) from exc
+
     def leave(self, failed: bool) -> None:
         """Say goodbye: the others wait for member 0 to mark its store closed (bounded).
 
@@ -214,49 +235,6 @@ class _Join:
 def _parse_ranks(text: str) -> list[int]:
     """The ranks of a verdict (``"1,2"``); plain data, never code."""
     return [int(r) for r in text.split(",") if r.strip().isdigit()]
-
-
-def _device_and_backend(
-    backend: str | None, device: str | torch.device | int | None
-) -> tuple[torch.device, str]:
-    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return _env.device_and_backend(device, backend, index, probe_accelerator())
-
-
-def _seconds(timeout: float | timedelta | None) -> float:
-    if timeout is None:
-        return _env.env_seconds("PDIST_TIMEOUT_SEC", _env.DEFAULT_TIMEOUT_SEC)
-    return _env.to_seconds(timeout, "timeout")
-
-
-def _communicators(
-    label: str,
-    store: Store,
-    prefix: str,
-    rank: int,
-    size: int,
-    backend: str,
-    device: torch.device,
-    wait: timedelta,
-) -> tuple[ProcessGroup, ProcessGroup]:
-    """The link's gloo group, and its tensor group (the same one on a CPU gloo link)."""
-    try:
-        cpu_store = PrefixStore(prefix + "cpu/", store)
-        cpu = _compat.unregistered_group(cpu_store, rank, size, "gloo", torch.device("cpu"), wait)
-        if device.type == "cpu" and backend == "gloo":
-            return cpu, cpu
-        device_store = PrefixStore(prefix + "device/", store)
-        # Later than the gloo group's: pdist's watchdog aborts a stuck NCCL communicator
-        # and raises naming the member that left, before torch's own ends the process.
-        later = wait + timedelta(seconds=_DEVICE_MARGIN_SEC)
-        try:
-            return cpu, _compat.unregistered_group(device_store, rank, size, backend, device, later)
-        except Exception:
-            _compat.shutdown_group(cpu)
-            raise
-    except Exception as exc:  # every member had joined: one went away since, or the network
-        msg = f"{label}: building the communicators failed on link rank {rank} ({exc})"
-        raise PdistError(msg) from exc
 
 
 @contextlib.contextmanager
@@ -305,12 +283,13 @@ def link(
     host, port = _parse_address(address)
     rank, size = _check_ranks(rank, world_size)
     label = f"link {name or 'link'!r} at {address}"
-    resolved, backend_name = _device_and_backend(backend, device)
-    seconds = _seconds(timeout)
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    resolved, backend_name = _env.device_and_backend(device, backend, index, probe_accelerator())
+    seconds = _env.collective_seconds(timeout)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     join = _Join(label, rank, size, f"{_departures.LINK_PREFIX}{name or 'link'}/", seconds)
-    lifetime = Lifetime()
+    group: Group | None = None
     pgs: list[ProcessGroup] = []
     failed = True
     try:
@@ -318,35 +297,31 @@ def link(
         join.join()
         store: Store | None = join.store
         wait = timedelta(seconds=seconds)
-        cpu, device_pg = _communicators(
-            label, cast("Store", store), join.prefix, rank, size, backend_name, resolved, wait
-        )
+        cpu, device_pg = join.communicators(backend_name, resolved, wait)
         pgs += [cpu] if device_pg is cpu else [cpu, device_pg]
-        group = Group(
-            name=name or "link",
-            ranks=tuple(range(size)),
-            rank=rank,
-            rank_in_group=rank,
-            device=resolved,
-            timeout=wait,
-            lifetime=lifetime,
-            device_key=lifetime.add(device_pg, created=False),
-            cpu_key=lifetime.add(cpu, created=False),
-        )
         # Members that leave through an exception say so in the link's store, and the
         # survivors of a failed collective name them (or find them by a roll call).
-        lifetime.exit_records = (cast("Store", store), f"{join.prefix}exits")
+        group = standalone_group(
+            name=name or "link",
+            rank=rank,
+            size=size,
+            device=resolved,
+            timeout=wait,
+            device_group=device_pg,
+            cpu_group=cpu,
+            exit_records=(cast("Store", store), f"{join.prefix}exits"),
+        )
         try:
             yield group
         except (Exception, SystemExit) as exc:
-            _departures.record(lifetime, rank, exc)
+            _departures.record(group.lifetime, rank, exc)
             raise
         failed = False
     finally:
-        _departures.stop_listening(lifetime)
-        store = None  # member 0's server goes with the last reference: free the port
-        lifetime.exit_records = None
-        lifetime.close()
+        if group is not None:
+            _departures.stop_listening(group.lifetime)
+            group.lifetime.close()  # drops its store: member 0's server goes with the last one
+        store = None  # and frees the port
         join.leave(failed)
         for pg in reversed(pgs):
             try:

@@ -155,11 +155,10 @@ class _Watch:
         if self.fd is not None:
             return bool(self._poll.poll(0))
         try:
-            os.kill(self.pid, 0)
+            with contextlib.suppress(PermissionError):  # alive, another user's
+                os.kill(self.pid, 0)
         except ProcessLookupError:
             return True
-        except PermissionError:
-            pass
         return False
 
 
@@ -385,7 +384,7 @@ class _MessageQueue:
                     os.close(fd)
 
 
-class _Plan(NamedTuple):
+class _QueuePlan(NamedTuple):
     """What every rank agreed on at set-up (``pids``: when all share a pid namespace)."""
 
     chunk_bytes: int
@@ -409,7 +408,7 @@ def _check_arguments(chunk_bytes: int, chunks: int, idle_timeout: Any) -> tuple[
         return None, None, exc
 
 
-def _plan(g: Group, chunk_bytes: int, chunks: int, error: BaseException | None) -> _Plan:
+def _queue_plan(g: Group, chunk_bytes: int, chunks: int, error: BaseException | None) -> _QueuePlan:
     """Exchange the set-up records, check them and the host: the same verdict on every rank."""
     mine: dict[str, Any] = {"chunk_bytes": chunk_bytes, "chunks": chunks, "pid": os.getpid()}
     mine["segment"] = f"{_SEGMENT_PREFIX}{uuid.uuid4().hex}" if g.is_first_rank else None
@@ -451,10 +450,12 @@ def _plan(g: Group, chunk_bytes: int, chunks: int, error: BaseException | None) 
             f"are on another host than rank {g.ranks[0]}"
         )
         raise PdistError(msg)
-    return _Plan(chunk_bytes, chunks, os.path.join(shm_dir(), segment), pids if known else None)
+    return _QueuePlan(
+        chunk_bytes, chunks, os.path.join(shm_dir(), segment), pids if known else None
+    )
 
 
-def _map(g: Group, plan: _Plan) -> mmap.mmap:
+def _map(g: Group, plan: _QueuePlan) -> mmap.mmap:
     """The writer creates, reserves and stamps the segment; a reader opens and checks it."""
     create, verb = g.is_first_rank, "create" if g.is_first_rank else "open"
     size = ALIGN * g.world_size + plan.chunks * (ALIGN + aligned(plan.chunk_bytes))
@@ -521,7 +522,7 @@ def _removed_on_sigterm(path: str) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _mapped(g: Group, plan: _Plan) -> mmap.mmap:
+def _mapped(g: Group, plan: _QueuePlan) -> mmap.mmap:
     """This rank's ring, after two status rounds: created, then opened by all."""
     region: mmap.mmap | None = None
     with _removed_on_sigterm(plan.path) if g.is_first_rank else contextlib.nullcontext():
@@ -588,7 +589,7 @@ def message_queue(
             raise error
         yield g
         return
-    plan = _plan(g, chunk_bytes, chunks, error)
+    plan = _queue_plan(g, chunk_bytes, chunks, error)
     queue = _MessageQueue(g, _mapped(g, plan), atomics, idle, plan.pids)
     try:
         yield attrs.evolve(g, mq=queue)

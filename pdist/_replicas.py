@@ -42,7 +42,7 @@ from . import _compat, _env
 from ._compat import PrefixStore, Store, TCPStore
 from ._departures import PeerLeftError, summary
 from ._errors import PdistError, RankMismatchError, RemoteError
-from ._group import DistContext, Group, Lifetime, ProcessGroup
+from ._group import DistContext, Group, ProcessGroup, standalone_group
 from ._objects import broadcast_object
 from ._p2p import recv_object, send_object
 
@@ -103,7 +103,7 @@ def _communication(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and where.startswith(_COMMUNICATING)
 
 
-def _first_difference(mine: Any, theirs: Any, path: str) -> str | None:
+def _state_difference(mine: Any, theirs: Any, path: str) -> str | None:
     """Where two state dicts differ in the shape or dtype of a tensor they both have."""
     if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
         if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
@@ -113,7 +113,7 @@ def _first_difference(mine: Any, theirs: Any, path: str) -> str | None:
             )
     elif isinstance(mine, Mapping) and isinstance(theirs, Mapping):
         for key in (k for k in mine if k in theirs):  # in order: the first difference
-            if (found := _first_difference(mine[key], theirs[key], f"{path}[{key!r}]")) is not None:
+            if (found := _state_difference(mine[key], theirs[key], f"{path}[{key!r}]")) is not None:
                 return found
     return None
 
@@ -239,21 +239,16 @@ class FaultTolerant:
             raise PeerLeftError(
                 f"fault_tolerant: building quorum {q}'s group failed ({exc})"
             ) from exc
-        lifetime = Lifetime()
-        self._group, self._members = (
-            Group(
-                name=f"ft/c{self.ctx.rank}",
-                ranks=tuple(range(size)),
-                rank=index,
-                rank_in_group=index,
-                device=device,
-                timeout=wait,
-                lifetime=lifetime,
-                device_key=lifetime.add(tensors, created=False),
-                cpu_key=lifetime.add(cpu, created=False),
-            ),
-            (*members, *info["tokens"]),
+        self._group = standalone_group(
+            name=f"ft/c{self.ctx.rank}",
+            rank=index,
+            size=size,
+            device=device,
+            timeout=wait,
+            device_group=tensors,
+            cpu_group=cpu,
         )
+        self._members = (*members, *info["tokens"])
         return self._group
 
     def _arrive(self, q: int, store: Store, size: int) -> None:
@@ -309,7 +304,7 @@ class FaultTolerant:
                 msg = f"state[{name!r}] is missing on the source replica {members[source]!r}"
                 raise RankMismatchError(self._mismatch(msg))
             mine = obj.state_dict()
-            if (found := _first_difference(mine, received[name], f"state[{name!r}]")) is not None:
+            if (found := _state_difference(mine, received[name], f"state[{name!r}]")) is not None:
                 raise RankMismatchError(self._mismatch(found))
             try:
                 obj.load_state_dict(received[name])
@@ -380,12 +375,6 @@ class FaultTolerant:
             self.step += 1
 
 
-def _seconds(timeout: float | timedelta | None) -> float:
-    if timeout is None:
-        return _env.env_seconds("PDIST_TIMEOUT_SEC", _env.DEFAULT_TIMEOUT_SEC)
-    return _env.to_seconds(timeout, "timeout")
-
-
 @contextlib.contextmanager
 def fault_tolerant(
     ctx: DistContext,
@@ -434,7 +423,7 @@ def fault_tolerant(
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         msg = f"min_replicas={min_replicas!r} must be a positive int"
         raise ValueError(msg)
-    ft = FaultTolerant(ctx, address, rid, min_replicas, _seconds(timeout))
+    ft = FaultTolerant(ctx, address, rid, min_replicas, _env.collective_seconds(timeout))
     try:
         ft.open(host.strip("[]"), int(port))
         yield ft

@@ -39,7 +39,7 @@ def _layout_dims(layout: object) -> tuple[int, int, int, int]:
     return layout.index("h"), layout.index("s"), layout.index("b"), layout.index("d")
 
 
-def _split(total: int, parts: int) -> list[int]:
+def _split_heads(total: int, parts: int) -> list[int]:
     """``total`` as ``parts`` near-equal ints, the larger first."""
     return [total // parts + (r < total % parts) for r in range(parts)]
 
@@ -58,7 +58,7 @@ def _kv_heads(first: int, count: int, group_size: int) -> list[int]:
     return wanted
 
 
-class _Plan(NamedTuple):
+class _HeadPlan(NamedTuple):
     """Who holds what, agreed in the call's one exchange."""
 
     seqs: list[int]  # every rank's chunk length
@@ -106,7 +106,7 @@ def _check(
     return (q.shape[s], q.shape[h], k.shape[h], q.shape[b], q.shape[d], v.shape[d], dtype)
 
 
-def _plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) -> _Plan:
+def _head_plan(g: Group, layout: str, dims: tuple[int, int, int, int], *qkv: object) -> _HeadPlan:
     """Exchange every rank's record once; raise on every rank if any failed or they differ."""
     if torch.compiler.is_compiling():
         # Nothing to exchange while tracing: a compiled call assumes every rank's chunk
@@ -138,12 +138,12 @@ def _dtype_name(code: int) -> str:
     return dtype_name(DTYPES[code]) if 0 <= code < len(DTYPES) else "?"
 
 
-def _plan_from(g: Group, got: list[list[int]]) -> _Plan:
+def _plan_from(g: Group, got: list[list[int]]) -> _HeadPlan:
     hq, hkv = got[0][1], got[0][2]
-    heads = _split(hq, g.world_size)
+    heads = _split_heads(hq, g.world_size)
     firsts = [sum(heads[:j]) for j in range(g.world_size)]
     kv = [_kv_heads(firsts[j], heads[j], hq // hkv) for j in range(g.world_size)]
-    return _Plan([r[0] for r in got], heads, kv, tuple(got[0][1:5]))  # type: ignore[arg-type]
+    return _HeadPlan([r[0] for r in got], heads, kv, tuple(got[0][1:5]))  # type: ignore[arg-type]
 
 
 def _inverse(order: tuple[int, ...]) -> list[int]:
@@ -154,7 +154,7 @@ def _inverse(order: tuple[int, ...]) -> list[int]:
 
 
 def _to_heads(
-    g: Group, plan: _Plan, canon: tuple[int, int, int, int], qkv: tuple[torch.Tensor, ...]
+    g: Group, plan: _HeadPlan, canon: tuple[int, int, int, int], qkv: tuple[torch.Tensor, ...]
 ) -> list[torch.Tensor]:
     """``[.., s_r, .., H, ..]`` -> ``[.., S, .., h_r, ..]`` for q, k, v in one all-to-all."""
     p, me = g.world_size, g.rank_in_group
@@ -184,7 +184,7 @@ def _to_heads(
 
 
 def _to_sequence(
-    g: Group, plan: _Plan, canon: tuple[int, int, int, int], out: torch.Tensor
+    g: Group, plan: _HeadPlan, canon: tuple[int, int, int, int], out: torch.Tensor
 ) -> torch.Tensor:
     """``[.., S, .., h_r, ..]`` -> ``[.., s_r, .., H, ..]``: the output's way back."""
     me, (h, s, b, d) = g.rank_in_group, canon
@@ -258,7 +258,7 @@ def ulysses_attention(
         if g.world_size == 1:
             _check(layout, dims, q, k, v)
             return attention(q, k, v, *args, **kwargs)
-        plan = _plan(g, layout, dims, q, k, v)
+        plan = _head_plan(g, layout, dims, q, k, v)
         out = attention(*_to_heads(g, plan, dims, (q, k, v)), *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             msg = (

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -40,6 +41,7 @@ import torch
 from . import _compat, _plain
 from ._compat import PrefixStore, Store
 from ._departures import StoreGoneError, bounded
+from ._env import Settings
 from ._group import Group, Lifetime
 from ._guard import end_process
 from ._inflight import InFlight
@@ -261,46 +263,32 @@ class Watch:
     """The stall watch of one block on one rank: ``start`` once its groups exist."""
 
     def __init__(
-        self,
-        *,
-        lifetime: Lifetime,
-        rank: int,
-        world_size: int,
-        stall_timeout: float,
-        on_stall: str,
-        answer: float,
-        store: Store,
-        prefix: str,
-        hosts_store: bool = False,
+        self, settings: Settings, lifetime: Lifetime, store: Store, prefix: str, hosts_store: bool
     ) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.stall_timeout, self.on_stall, self.answer = stall_timeout, on_stall, answer
-        self._exit_code = STALL_EXIT_CODE if on_stall == "exit" else None  # said in the report
+        """``settings.stall_timeout`` is set; ``store`` holds the block's keys under ``prefix``."""
+        self.rank, self.world_size = settings.launch.rank, settings.launch.world_size
+        self.stall_timeout = settings.stall_timeout or math.inf  # None: no Watch is made
+        self.on_stall, self.answer = settings.on_stall, settings.stall_answer
+        self._exit_code = STALL_EXIT_CODE if self.on_stall == "exit" else None  # in the report
         self._lifetime, self._hosts_store, self._prefix = lifetime, hosts_store, f"{prefix}/stall"
         self._base = store
         self._control: Store | None = None  # stop's connection to the store
-        # Every store call of the watch is bounded by this (principle 15): a store whose host
-        # is gone without closing the connection answers nothing, and a thread must not wait
-        # on it for the store's own timeout, nor hold the block's exit.
-        self._bound = timedelta(seconds=answer + _GRACE)
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        # Bounds every store call of the watch (principle 15): a store whose host is gone
+        # without closing the connection answers nothing, and nothing may wait on it.
+        self._bound = timedelta(seconds=self.answer + _GRACE)
+        self._lock, self._stopping = threading.Lock(), threading.Event()
         self._phase: tuple[str, int] = ("wake", 1)  # the key the answering thread waits on
         self._last_end: float | None = None
-        self._last_digest = ""
-        self._tried = 0
+        self._last_digest, self._tried = "", 0
         self._mine: set[str] = set()
         self._threads: list[threading.Thread] = []
         self._use_recorder = bool(
             (_compat.dump_flight_recorder(collectives=False, stacks=False) or {}).get("pg_status")
         )
         self._detector = _Detector(lifetime.in_flight, self._use_recorder)
+        main, recorder = threading.get_ident(), self._use_recorder  # main: the block's thread
         self._record = functools.partial(
-            local_record,
-            rank=rank,
-            thread_id=threading.get_ident(),  # the block's thread: its stack is the one to show
-            lifetime=lifetime,
-            use_recorder=self._use_recorder,
+            local_record, rank=self.rank, thread_id=main, lifetime=lifetime, use_recorder=recorder
         )
 
     def _connection(self) -> Store | None:
@@ -364,9 +352,7 @@ class Watch:
         if answers and control is not None:
             keys = sorted(self._mine)
             with contextlib.suppress(StoreGoneError):
-                bounded(
-                    lambda: [control.delete_key(key) for key in keys], bound, "pdist-stall-store"
-                )
+                bounded(lambda: list(map(control.delete_key, keys)), bound, "pdist-stall-store")
 
     # ------------------------------------------------------------------ polling side
 

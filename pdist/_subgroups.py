@@ -15,7 +15,9 @@ builds (and holds until the block exits) a group of its own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import _agree, _compat
+from ._env import Settings
 from ._errors import PdistError
 from ._group import Blocks, Built, DistContext, Group, Lifetime, ProcessGroup
 from ._layout import Layout, consecutive_groups, make_axes_layout
@@ -61,15 +64,9 @@ def _local_group(
     return pg
 
 
-def build_world(
-    *,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    lifetime: Lifetime,
-    timeout: timedelta,
-) -> Group:
+def build_world(settings: Settings, lifetime: Lifetime) -> Group:
     """The ``world`` Group over the default process group (plus a gloo group when needed)."""
+    timeout = settings.timeout
     world_pg = dist.group.WORLD
     if world_pg is None:
         msg = "the default process group is not initialized"
@@ -78,31 +75,16 @@ def build_world(
     cpu_key = device_key
     if _backend_of(world_pg) not in _SELF_CPU_BACKENDS:
         cpu_key = lifetime.add(_local_group(None, "gloo", timeout, "world"), created=True)
-    ranks = tuple(range(world_size))
+    ranks = tuple(range(settings.launch.world_size))
     built = lifetime.partitions[(ranks,)] = Built(ranks, device_key, cpu_key, True, timeout)
-    return _member("world", built, rank, device, lifetime)
-
-
-def _member(name: str, built: Built, rank: int, device: torch.device, lifetime: Lifetime) -> Group:
-    return Group(
-        name=name,
-        ranks=built.ranks,
-        rank=rank,
-        rank_in_group=built.ranks.index(rank),
-        device=device,
-        timeout=built.timeout,
-        lifetime=lifetime,
-        device_key=built.device_key,
-        cpu_key=built.cpu_key,
-    )
+    return built.group("world", settings.launch.rank, settings.device, lifetime)
 
 
 def _complete(blocks: Blocks, world_size: int) -> tuple[Blocks, set[int]]:
     """``blocks`` plus a singleton for every rank in none, and the ranks so added."""
-    covered = bytearray(world_size)
-    for block in blocks:
-        for r in block:
-            covered[r] = 1
+    covered = bytearray(world_size)  # a byte per rank: start-up stays small at any scale
+    for r in itertools.chain.from_iterable(blocks):
+        covered[r] = 1
     extra = [r for r in range(world_size) if not covered[r]]
     return (*blocks, *((r,) for r in extra)), set(extra)
 
@@ -131,15 +113,15 @@ def build_partition(
     name: str,
     blocks: Sequence[Sequence[int]],
     *,
-    timeout: timedelta,
     named: bool = False,
 ) -> Group | None:
     """The caller's Group of a partition of the world into ``blocks``; None if it is in none.
 
     ``blocks``: disjoint lists of global ranks, the same on every rank (not checked here).
-    A partition built before is reused, with the timeout it was built with; ``named``: only
-    one built under the same ``name`` (a user's group: its traffic never shares a
-    communicator with another name's, principle 14).
+    New groups get the subgroups' timeout (``PDIST_SUBGROUP_TIMEOUT_SEC``), not a reused
+    world's. A partition built before is reused, with the timeout it was built with;
+    ``named``: only one built under the same ``name`` (a user's group: its traffic never
+    shares a communicator with another name's, principle 14).
     """
     lifetime = world.lifetime
     lifetime.check_open()
@@ -149,12 +131,13 @@ def build_partition(
     if built is None:
         full, extra = _complete(canonical, world.world_size)
         mine = next(block for block in full if world.rank in block)  # _complete covers every rank
+        timeout = lifetime.subgroup_timeout or world.timeout
         device_pg, cpu_pg = _create(world, full, mine, name, timeout)
         device_key = lifetime.add(device_pg, created=True)
         cpu_key = device_key if cpu_pg is device_pg else lifetime.add(cpu_pg, created=True)
         built = Built(mine, device_key, cpu_key, world.rank not in extra, timeout)
         lifetime.partitions[key] = built
-    return _member(name, built, world.rank, world.device, lifetime) if built.member else None
+    return built.group(name, world.rank, world.device, lifetime) if built.member else None
 
 
 def _require(group: Group | None, name: str) -> Group:
@@ -164,23 +147,21 @@ def _require(group: Group | None, name: str) -> Group:
     return group
 
 
-def build_axes(
-    world: Group, layout: Layout, *, timeout: timedelta, settings: str = ""
-) -> dict[str, Group]:
+def build_axes(world: Group, settings: Settings) -> dict[str, Group]:
     """The caller's group of every name in ``layout.group_names``, once all ranks agree on it.
 
     Ranks that built different partitions would each get a group the others never join.
-    ``settings``: the other settings every rank must share, agreed in the same exchange.
+    With the layout, every setting that changes what goes on the wire is agreed: check mode
+    adds an agreement before each call, the backend and device type make the communicator.
     The axes are built fastest first (then the one-rank groups of absent canonical axes,
-    then ``dp_sp``, ``ep``, ``edp``): a partition equal to one built before reuses it.
+    then the derived groups): a partition equal to one built before reuses it.
     """
-    agreed = ", ".join(filter(None, [layout.describe(), settings]))
+    s, layout = settings, settings.layout
+    agreed = f"{layout.describe()}, check={s.check}, backend={s.backend}, device={s.device.type}"
     _agree.check_same(world, "distributed()", agreed, None)
-    world.lifetime.subgroup_timeout = timeout
     order = (*reversed(layout.names), *layout.group_names[len(layout.names) :])
     return {
-        axis: _require(build_partition(world, axis, layout.groups(axis), timeout=timeout), axis)
-        for axis in order
+        axis: _require(build_partition(world, axis, layout.groups(axis)), axis) for axis in order
     }
 
 
@@ -199,7 +180,8 @@ def _patched(ctx: DistContext, group: Group, axis: str) -> DistContext:
     if ctx.rank not in group.ranks:
         msg = f"group {group.name!r} with ranks {group.ranks} does not contain rank {ctx.rank}"
         raise ValueError(msg)
-    return attrs.evolve(ctx, tp=group) if axis == "tp" else attrs.evolve(ctx, sp=group)
+    changes: dict[str, Any] = {axis: group}
+    return attrs.evolve(ctx, **changes)
 
 
 @contextlib.contextmanager
@@ -230,26 +212,36 @@ def patch_sp(ctx: DistContext, group: Group) -> Iterator[DistContext]:
     yield _patched(ctx, group, "sp")
 
 
-def _subgroup_timeout(ctx: DistContext) -> timedelta:
-    """The subgroups' timeout, not a reused world's."""
-    return ctx.world.lifetime.subgroup_timeout or ctx.tp.timeout
+def _validated(
+    ctx: object, what: str, check: Callable[[], Any], summary: Callable[[Any], str] = repr
+) -> Any:
+    """``check()``'s value once every rank's ``summary`` of it is the same; its error on every rank.
 
-
-def _consecutive(ctx: DistContext, size: int, name: str | None, default: str) -> Group:
-    _check_ctx(ctx)
-    ctx.world.lifetime.check_open()
+    A rank raising alone would leave the others waiting in the group build.
+    """
+    world = _check_ctx(ctx).world
+    world.lifetime.check_open()
     try:
+        value, error = check(), None
+    except (TypeError, ValueError) as exc:
+        value, error = None, exc
+    _agree.check_same(world, what, "" if error else summary(value), error)  # raises after an error
+    return value
+
+
+def _consecutive(ctx: DistContext, size: int, name: str | None, axis: str) -> Group:
+    """``axis`` groups of ``size`` consecutive ranks (``new_tp_group``, ``new_sp_group``)."""
+
+    def check() -> Blocks:
         if name is not None and (not isinstance(name, str) or not name):
             msg = f"name={name!r} must be None or a non-empty str"
             raise TypeError(msg)
-        blocks, error = consecutive_groups(ctx.world_size, size, name="size"), None
-    except (TypeError, ValueError) as exc:
-        blocks, error = (), exc
-    label = name if isinstance(name, str) and name else default
-    _agree.check_same(ctx.world, f"new group {label!r}", f"size={size!r}, name={name!r}", error)
-    timeout = _subgroup_timeout(ctx)
-    group = build_partition(ctx.world, label, blocks, timeout=timeout, named=True)
-    return _require(group, label)
+        return consecutive_groups(ctx.world_size, size, name="size")
+
+    label = name if isinstance(name, str) and name else f"{axis}{size}"
+    summary = f"size={size!r}, name={name!r}"
+    blocks = _validated(ctx, f"new group {label!r}", check, lambda _: summary)
+    return _require(build_partition(ctx.world, label, blocks, named=True), label)
 
 
 def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
@@ -272,7 +264,7 @@ def new_tp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
         RankMismatchError: Ranks passed different sizes (on every rank).
         PdistError: The context is closed.
     """
-    return _consecutive(ctx, size, name, f"tp{size}")
+    return _consecutive(ctx, size, name, "tp")
 
 
 def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Group:
@@ -281,10 +273,13 @@ def new_sp_group(ctx: DistContext, size: int, *, name: str | None = None) -> Gro
     As [`new_tp_group`][pdist.new_tp_group], for a sequence-parallel group (use it with
     [`patch_sp`][pdist.patch_sp]).
     """
-    return _consecutive(ctx, size, name, f"sp{size}")
+    return _consecutive(ctx, size, name, "sp")
 
 
-def _check_rank_lists(rank_lists: object, world_size: int) -> Blocks:
+def _check_rank_lists(rank_lists: object, world_size: int, name: object) -> Blocks:
+    if not isinstance(name, str) or not name:
+        msg = f"name={name!r} must be a non-empty str"
+        raise TypeError(msg)
     if isinstance(rank_lists, (str, bytes)) or not isinstance(rank_lists, Sequence):
         msg = f"rank_lists={rank_lists!r} must be a list of lists of global ranks"
         raise TypeError(msg)
@@ -357,39 +352,9 @@ def new_group(ctx: DistContext, rank_lists: Sequence[Sequence[int]], *, name: st
         RankMismatchError: Ranks passed different lists, or only some passed bad ones.
         PdistError: The context is closed.
     """
-    _check_ctx(ctx)
-    ctx.world.lifetime.check_open()
-    try:
-        if not isinstance(name, str) or not name:  # checked with the others: fail together
-            msg = f"name={name!r} must be a non-empty str"
-            raise TypeError(msg)
-        blocks, error = _check_rank_lists(rank_lists, ctx.world_size), None
-    except (TypeError, ValueError) as exc:
-        blocks, error = (), exc
-    _agree.check_same(ctx.world, f"new_group(name={name!r})", f"{blocks!r}, name={name!r}", error)
-    return build_partition(ctx.world, name, blocks, timeout=_subgroup_timeout(ctx), named=True)
-
-
-def _flatten_axes(ctx: DistContext, axes: tuple[object, ...]) -> tuple[str, ...]:
-    """``axes`` checked against the context's layout, in layout order."""
-    layout = ctx.layout
-    if not axes:
-        first = layout.names[0]
-        msg = f"flatten() names no axis; pass axes of the layout, e.g. flatten(ctx, {first!r})"
-        raise ValueError(msg)
-    for axis in axes:
-        if not isinstance(axis, str):
-            msg = f"axes={axes!r}: {axis!r} is not an axis name (a str)"
-            raise TypeError(msg)
-        if axis not in layout.names:
-            msg = (
-                f"axes={axes!r}: {axis!r} is not an axis of the layout; choose from {layout.names}"
-            )
-            raise ValueError(msg)
-    if len(set(axes)) != len(axes):
-        msg = f"axes={axes!r} names an axis twice"
-        raise ValueError(msg)
-    return tuple(a for a in layout.names if a in axes)
+    check = functools.partial(_check_rank_lists, rank_lists, ctx.world_size, name)
+    blocks = _validated(ctx, f"new_group(name={name!r})", check, lambda b: f"{b!r}, name={name!r}")
+    return build_partition(ctx.world, name, blocks, named=True)
 
 
 def flatten(ctx: DistContext, *axes: str) -> Group:
@@ -418,18 +383,9 @@ def flatten(ctx: DistContext, *axes: str) -> Group:
         RankMismatchError: Ranks passed different axes (on every rank).
         PdistError: The context is closed.
     """
-    _check_ctx(ctx)
-    ctx.world.lifetime.check_open()
-    try:
-        names, error = _flatten_axes(ctx, axes), None
-    except (TypeError, ValueError) as exc:
-        names, error = (), exc
-    _agree.check_same(ctx.world, "flatten()", repr(names), error)
+    names = _validated(ctx, "flatten()", lambda: ctx.layout.flatten_names(axes))
     label = "_".join(names)
-    blocks = ctx.layout.flatten(names)
-    return _require(
-        build_partition(ctx.world, label, blocks, timeout=_subgroup_timeout(ctx)), label
-    )
+    return _require(build_partition(ctx.world, label, ctx.layout.flatten(names)), label)
 
 
 def _mesh_layout(ctx: DistContext, names: tuple[str, ...]) -> Layout:

@@ -84,7 +84,7 @@ def _gather_records(group: Group, mine: bytes) -> bytes:
     return bytes(out.tolist())  # not .numpy(): pdist does not need numpy (38 ms at 8192 ranks)
 
 
-def _parse(group: Group, data: bytes) -> list[tuple[bytes, str, str]]:
+def _parse_cpu_list(group: Group, data: bytes) -> list[tuple[bytes, str, str]]:
     """Per member: ``(host key, hostname, probe name)``; the same verdict on every rank."""
     out = []
     for i, (magic, version, status, dev, ino, boot, host, probe) in enumerate(
@@ -125,7 +125,7 @@ def host_blocks(group: Group) -> list[tuple[int, ...]]:
     All ranks of the group must call it; all get the same blocks, or the same PdistError.
     """
     probe = uuid.uuid4().hex
-    records = _parse(group, _gather_records(group, _my_record(probe)))
+    records = _parse_cpu_list(group, _gather_records(group, _my_record(probe)))
     mine = records[group.rank_in_group][0]
     candidates = {p for key, _, p in records if key == mine and p != probe}
     path = os.path.join(shm_dir(), _PROBE_PREFIX + probe)

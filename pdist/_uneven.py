@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from . import _check
+from . import _check, _departures
 from ._agree import check_same, exchange_counts
 from ._compat import functional_ops
 from ._errors import RankMismatchError
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-def _counts(group: Group, value: object, name: str) -> list[int]:
+def _count_list(group: Group, value: object, name: str) -> list[int]:
     p = group.world_size
     if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.is_floating_point():
         value = value.tolist()
@@ -74,7 +74,7 @@ def _check_send(group: Group, x: object, send_counts: object) -> tuple[torch.Ten
             )
             raise ValueError(msg)
         return x, [n // p] * p
-    counts = _counts(group, send_counts, "send_counts")
+    counts = _count_list(group, send_counts, "send_counts")
     # Symbolic counts (while tracing) are the compiler's to check.
     if all(isinstance(c, int) for c in [n, *counts]) and sum(counts) != n:
         msg = (
@@ -153,13 +153,13 @@ def all_to_all(
     send: list[int] = []
     recv: list[int] = []
     try:
-        x, send, recv = _arguments(g, x, send_counts, recv_counts)
+        x, send, recv = _gather_arguments(g, x, send_counts, recv_counts)
     except (TypeError, ValueError) as e:
         error = e
     how = "exchanged" if exchanged else "even" if send_counts is None else "given"
     fields: dict[str, object] = {"counts": how}
     if not exchanged:  # nothing carries the need for a gradient: the ranks must agree on it
-        fields["requires_grad"] = _records(x)
+        fields["requires_grad"] = _count_records(x)
     # Even counts: every rank sends and expects N / P rows of each, so N must agree too.
     seen = _check.describe(x, rows=send_counts is not None)
     _check.agree_args(g, "all_to_all", seen, error, **fields)
@@ -176,7 +176,7 @@ def all_to_all(
     return rows(g, x, send, recv, grad=grad)
 
 
-def _arguments(
+def _gather_arguments(
     group: Group, x: object, send_counts: object, recv_counts: object
 ) -> tuple[torch.Tensor, list[int], list[int]]:
     """This rank's checked ``x`` and counts (receive counts ``[]``: to be exchanged)."""
@@ -189,7 +189,7 @@ def _arguments(
     x, send = _check_send(group, x, send_counts)
     if send_counts is None:
         return x, send, send
-    return x, send, [] if recv_counts is None else _counts(group, recv_counts, "recv_counts")
+    return x, send, [] if recv_counts is None else _count_list(group, recv_counts, "recv_counts")
 
 
 def _verify(group: Group, send: list[int], recv: list[int]) -> None:
@@ -231,14 +231,14 @@ def rows(
         if not _needs(anchor) and not x.requires_grad:
             anchor = x.new_empty(0).requires_grad_()  # records the backward; dropped after
         return cast("torch.Tensor", _AllToAll.apply(group, x, anchor, send, recv))  # type: ignore[no-untyped-call]
-    return _forward(group, x, send, recv)
+    return _rows_forward(group, x, send, recv)
 
 
 def _needs(anchor: torch.Tensor | None) -> bool:
     return anchor is not None and anchor.requires_grad
 
 
-def _records(x: object) -> bool:
+def _count_records(x: object) -> bool:
     """Whether this rank records the backward of a call whose ranks must agree on it."""
     return grad_flag(x) == 2
 
@@ -271,21 +271,21 @@ def any_grad(group: Group, flags: Sequence[int], what: str) -> bool:
     return True
 
 
-def _forward(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+def _rows_forward(group: Group, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
     if torch.compiler.is_compiling():
         ops = functional_ops()
         out = ops.all_to_all_single(x.contiguous(), recv, send, group.device_group.group_name)
         return cast("torch.Tensor", ops.wait_tensor(out))
-    return _eager(group, local(x).detach(), send, recv, what="all_to_all")
+    return _rows_eager(group, local(x).detach(), send, recv, what="all_to_all")
 
 
 @recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
-def _eager(
+def _rows_eager(
     group: Group, x: torch.Tensor, send: list[int], recv: list[int], *, what: str
 ) -> torch.Tensor:
     # Written, never left: rows a peer does not send (a vouched count too high) stay zero.
     out = x.new_zeros((sum(recv), *x.shape[1:]))
-    with _check.explaining(group, what):  # as every eager collective: a peer gone is named
+    with _departures.naming(group, what, counted=True):  # as every eager collective
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.device_group)
     return out
 
@@ -309,13 +309,13 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.send, ctx.recv = group, send, recv
         if anchor is not None:
             ctx.anchor = anchor.shape, anchor.dtype, anchor.device
-        return _forward(group, x, send, recv)
+        return _rows_forward(group, x, send, recv)
 
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
     ) -> tuple[None, torch.Tensor | None, torch.Tensor | None, None, None]:
-        back = _forward(ctx.group, grad, ctx.recv, ctx.send)
+        back = _rows_forward(ctx.group, grad, ctx.recv, ctx.send)
         zeros = None
         if ctx.needs_input_grad[2]:  # stride 0: no memory for the anchor's zeros
             shape, dtype, device = ctx.anchor
@@ -336,7 +336,7 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
     error: BaseException | None = None
     counts: list[int] = []
     try:
-        counts = _counts(group, sizes, "sizes")
+        counts = _count_list(group, sizes, "sizes")
         mine = counts[group.rank_in_group]
         if mine != x.shape[dim]:
             msg = (
@@ -347,7 +347,7 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    fields = {"sizes": counts, "requires_grad": _records(x)}
+    fields = {"sizes": counts, "requires_grad": _count_records(x)}
     _check.agree_args(group, "all_gather", _check.describe(x, dim=dim), error, **fields)
     if error is not None:
         raise error
@@ -371,7 +371,7 @@ def reduce_scatter_sizes(
     error: BaseException | None = None
     counts: list[int] = []
     try:
-        counts = _counts(group, sizes, "sizes")
+        counts = _count_list(group, sizes, "sizes")
         if sum(counts) != x.shape[dim]:
             msg = (
                 f"reduce_scatter: sizes={counts!r} sum to {sum(counts)} on rank {group.rank}, "
@@ -380,7 +380,7 @@ def reduce_scatter_sizes(
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    fields = {"op": op, "dim": dim, "sizes": counts, "requires_grad": _records(x)}
+    fields = {"op": op, "dim": dim, "sizes": counts, "requires_grad": _count_records(x)}
     _check.agree_args(group, "reduce_scatter", _check.describe(x), error, **fields)
     if error is not None:
         raise error

@@ -11,6 +11,7 @@ import torch
 from pdist._env import (
     Accelerator,
     Adopted,
+    Request,
     detect_launch,
     env_backend,
     env_seconds,
@@ -48,7 +49,7 @@ def test_env_seconds_table(raw, expected, warns, caplog):
 def test_zero_means_forever_only_where_allowed(caplog):
     """0 disarms only the guard's deadline; for a collective timeout it is invalid."""
     env = {"X": "0"}
-    assert env_seconds("X", 600.0, zero_means_forever=True, environ=env) is None
+    assert env_seconds("X", 600.0, zero_means_forever=True, environ=env) == 0.0  # forever
     with caplog.at_level(logging.WARNING, logger="pdist"):
         assert env_seconds("X", 600.0, environ=env) == 600.0
     assert "X" in caplog.records[0].getMessage()
@@ -131,9 +132,13 @@ TORCHRUN = {
 CUDA8 = Accelerator(type="cuda", count=8, backend="nccl")
 
 
-def _settings(environ=None, accelerator=None, **kwargs):
+def _settings(environ=None, accelerator=None, adopted=None, **kwargs):
+    sizes = {k: kwargs.pop(k) for k in ("tp", "sp", "cp", "pp") if k in kwargs}
     return resolve_settings(
-        environ=TORCHRUN if environ is None else environ, accelerator=accelerator, **kwargs
+        Request(sizes=sizes, **kwargs),
+        environ=TORCHRUN if environ is None else environ,
+        accelerator=accelerator,
+        adopted=adopted,
     )
 
 
@@ -256,10 +261,12 @@ def test_subgroup_timeout_from_the_environment():
 def test_l2_fetch_granularity_is_checked(value):
     """l2_fetch_granularity takes None or 32, 64, 128 bytes, naming the parameter otherwise."""
     with pytest.raises(ValueError, match=r"l2_fetch_granularity=.* must be None .* 32, 64 or 128"):
-        resolve_settings(l2_fetch_granularity=value, environ={})
+        resolve_settings(Request(l2_fetch_granularity=value), environ={})
 
 
 def test_l2_fetch_granularity_defaults_to_leaving_the_device_alone():
     """None (the default) leaves the device alone; 128 is kept as given."""
-    assert resolve_settings(environ={}).l2_fetch_granularity is None
-    assert resolve_settings(l2_fetch_granularity=128, environ={}).l2_fetch_granularity == 128
+    assert resolve_settings(Request(), environ={}).l2_fetch_granularity is None
+    assert (
+        resolve_settings(Request(l2_fetch_granularity=128), environ={}).l2_fetch_granularity == 128
+    )

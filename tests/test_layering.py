@@ -168,3 +168,14 @@ def test_no_module_takes_another_modules_private_name(path):
     for target, names in _imports(path):
         private = [n for n in names if n.startswith("_") and n != "__version__"]
         assert not private, f"{path.name} takes {private} from {target}"
+
+
+def test_only_agree_raises_a_peers_failure():
+    """Failing together is ``_agree``'s: no other module turns a peer's marker into an error."""
+    takers = {
+        _module(p)
+        for p in FILES
+        for target, names in _imports(p)
+        if target == "_errors" and {"failure", "decode_marker"} & set(names)
+    }
+    assert takers <= {"_agree"}, sorted(takers)

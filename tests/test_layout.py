@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import pytest
 
 from pdist._env import resolve_layout
-from pdist._layout import consecutive_groups, make_axes_layout, make_layout
+from pdist._group import DistContext
+from pdist._layout import CONTEXT_GROUPS, consecutive_groups, make_axes_layout, make_layout
 
 AXES = ("dp", "sp", "tp")  # the seeds' keyword layout with pp = cp = 1
 
@@ -349,3 +351,9 @@ def test_large_layouts_stay_linear():
     for kind in layout.group_names:
         flat = sorted(itertools.chain.from_iterable(layout.groups(kind)))
         assert flat == list(range(8192)), kind
+
+
+def test_the_context_has_one_group_field_per_table_entry():
+    """``DistContext``'s group fields are the axis table's groups, in the table's order."""
+    fields = tuple(f.name for f in attrs.fields(DistContext) if f.type == "Group")
+    assert fields == CONTEXT_GROUPS

@@ -85,7 +85,8 @@ def test_pdist_on_stall_sets_the_default_only():
     with pytest.raises(ValueError, match=r"PDIST_ON_STALL='quit' is not one of"):
         _env.stall_settings(None, environ={"PDIST_ON_STALL": "quit"})
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
-    s = _env.resolve_settings(environ={**torchrun, "PDIST_ON_STALL": "exit"}, stall_timeout=5)
+    request = _env.Request(stall_timeout=5)
+    s = _env.resolve_settings(request, environ={**torchrun, "PDIST_ON_STALL": "exit"})
     assert (s.stall_timeout, s.on_stall, s.stall_answer) == (5.0, "exit", 10.0)
 
 

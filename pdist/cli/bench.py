@@ -111,7 +111,7 @@ def _measure(
     )
 
 
-def _record(ctx: DistContext, case: Case, seconds: dict[str, float], batches: Samples) -> Record:
+def _bench_row(ctx: DistContext, case: Case, seconds: dict[str, float], batches: Samples) -> Record:
     mine = seconds["pdist"]
     algbw = case.nbytes / mine / 1e9 if mine > 0 else 0.0
     baselines = [n for n, s in seconds.items() if n != "pdist" and s > 0]
@@ -143,7 +143,7 @@ def run_cases(
             fns = case.setup(ctx, stack)
             seconds, batches = _measure(ctx, fns, case.inner, warmup, repeats)
             del fns
-        yield _record(ctx, case, seconds, batches)
+        yield _bench_row(ctx, case, seconds, batches)
     if progress:
         sys.stderr.write("\r" + " " * 60 + "\r")
         sys.stderr.flush()

@@ -182,12 +182,13 @@ def doctor_rank() -> dict[str, Any]:
         }
         with pdist.world_comm_guard(ctx):
             results = _run_checks(ctx)
+        subgroups = ctx.world.lifetime.subgroup_timeout or ctx.world.timeout
         return {
             "world_size": ctx.world_size,
             "backend": ctx.backend,
             "torch": [torch.__version__, *torch_support()],
             "timeout": ctx.world.timeout.total_seconds(),
-            "subgroup_timeout": ctx.tp.timeout.total_seconds(),
+            "subgroup_timeout": subgroups.total_seconds(),
             "guard_timeout": pdist.world_comm_timeout(),
             "stall_timeout": stall_settings(None)[0],
             "ranks": pdist.all_gather_object(ctx, {"me": me, "results": results}),
