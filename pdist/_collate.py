@@ -256,7 +256,7 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _parse_record(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], Any]:
+def _parse_leaf_record(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, ...], Any]:
     """The structure, the leaf names and the leaves' metadata in ``rank``'s ``record``."""
     try:
         spec, leaves = _tuples(_plain.loads(record))
@@ -277,7 +277,7 @@ def _parse_record(g: Group, rank: int, record: bytes) -> tuple[Spec, tuple[str, 
 
 def _differences(g: Group, records: dict[int, bytes]) -> RankMismatchError:
     """What differs between the ranks' ``records`` (which are not all equal)."""
-    parsed = {rank: _parse_record(g, rank, record) for rank, record in records.items()}
+    parsed = {rank: _parse_leaf_record(g, rank, record) for rank, record in records.items()}
     what = "the metadata record"
     values: dict[int, Any] = {rank: rank for rank in parsed}
     if len({repr(spec) for spec, _, _ in parsed.values()}) > 1:
@@ -389,7 +389,7 @@ def _agree_leaves(
     def adopt() -> tuple[_Local, _Memory]:  # a rank without batches takes the common record
         if local.spec is not None:
             return local, memory
-        spec, _, sent = _parse_record(g, *next(iter(present.items())))
+        spec, _, sent = _parse_leaf_record(g, *next(iter(present.items())))
         received = [_Leaf(dtype_of(d), shape, device) for d, shape, device in sent]
         return _Local(spec, [], received, 0), _reserve(g, received, max(counts))
 

@@ -119,8 +119,10 @@ class _Spec(NamedTuple):
     ``launch`` (None: a local op), ``traced`` and ``shape`` (the result's, for
     the closed-group op) take ``(group, x, *args)``; ``backward(*args)`` names
     the gradient's ``(spec, args, divide by P)``, or None if not differentiable.
+    ``names``: the names of ``args``, for check mode's summary.
     """
 
+    names: tuple[str, ...]
     check: Callable[..., tuple[Any, ...]]
     launch: Callable[..., _launches.Launched] | None
     traced: Callable[..., torch.Tensor]
@@ -130,6 +132,7 @@ class _Spec(NamedTuple):
 
 _SPECS: dict[str, _Spec] = {
     "all_reduce": _Spec(
+        names=("op",),
         check=lambda g, x, op: (_check_op(x, op),),
         launch=lambda g, x, op: _launches.all_reduce_into(
             g, x.clone(memory_format=torch.contiguous_format), op
@@ -140,6 +143,7 @@ _SPECS: dict[str, _Spec] = {
         backward=lambda op: ("all_reduce", (op,), False) if op in _GRAD_OPS else None,
     ),
     "all_gather": _Spec(
+        names=("dim",),
         check=lambda g, x, dim: (_norm_dim(x, dim),),
         launch=_launches.launch_all_gather,
         traced=_launches.traced_all_gather,
@@ -147,6 +151,7 @@ _SPECS: dict[str, _Spec] = {
         backward=lambda d: ("reduce_scatter", ("sum", d), False),
     ),
     "reduce_scatter": _Spec(
+        names=("op", "dim"),
         check=lambda g, x, op, dim: (_check_op(x, op), _split_dim(g, x, dim, "reduce_scatter")),
         launch=_launches.launch_reduce_scatter,
         traced=_launches.traced_reduce_scatter,
@@ -154,6 +159,7 @@ _SPECS: dict[str, _Spec] = {
         backward=lambda op, d: ("all_gather", (d,), op == "mean") if op in _GRAD_OPS else None,
     ),
     "all_to_all_4d": _Spec(
+        names=("scatter_dim", "gather_dim"),
         check=_check_all_to_all_4d,
         launch=_launches.launch_all_to_all,
         traced=_launches.traced_all_to_all,
@@ -161,6 +167,7 @@ _SPECS: dict[str, _Spec] = {
         backward=lambda s, d: ("all_to_all_4d", (d, s), False),
     ),
     "shard": _Spec(
+        names=("dim", "scale_grad"),
         check=lambda g, x, dim, scale: (_split_dim(g, x, dim, "shard"), bool(scale)),
         launch=None,
         traced=lambda g, x, d, scale: x.chunk(g.world_size, dim=d)[g.rank_in_group].contiguous(),
@@ -177,16 +184,6 @@ def _forward(
     if spec.launch is None or torch.compiler.is_compiling():
         return spec.traced(g, x, *args)
     return _eager(g, _launches.local(x), spec.launch, args, async_op, what=name)
-
-
-# The argument names of each spec's normalized args, for check mode's summary.
-_ARG_NAMES = {
-    "all_reduce": ("op",),
-    "all_gather": ("dim",),
-    "reduce_scatter": ("op", "dim"),
-    "all_to_all_4d": ("scatter_dim", "gather_dim"),
-    "shard": ("dim", "scale_grad"),
-}
 
 
 @recorded("collective")  # what the stall watch reads where torch's flight recorder is blind
@@ -212,7 +209,7 @@ def _collective(
     if g.world_size == 1:
         return x
     grad = torch.is_grad_enabled() and x.requires_grad and spec.backward(*args) is not None
-    fields = dict(zip(_ARG_NAMES[name], args, strict=True))  # no keywords: torch 2.6 traces it
+    fields = dict(zip(spec.names, args, strict=True))  # no keywords: torch 2.6 traces it
     fields["requires_grad"] = grad or None
     _check.agree_call(g, name, x, **fields)  # with a gradient, the backward communicates too
     if torch.compiler.is_compiling() and g.is_closed and spec.launch is not None:
@@ -454,13 +451,8 @@ def reduce(
         The reduction on ``dst``, None on the other ranks.
     """
     g = as_group(group)
-    _check.checked(
-        g,
-        "reduce",
-        x,
-        lambda: _check_op(_check_tensor(x), op, ("sum", "mean")),
-        lambda: g.global_rank(dst, name="dst"),
-    )
+    op_ok = lambda: _check_op(_check_tensor(x), op, ("sum", "mean"))  # noqa: E731
+    _check.checked(g, "reduce", x, op_ok, lambda: g.global_rank(dst, name="dst"))
     if g.world_size == 1:
         return x
     _check.agree_call(g, "reduce", x, dst=dst, op=op)
@@ -482,14 +474,8 @@ def broadcast(group: Group | DistContext, x: torch.Tensor, src: int = 0) -> torc
         ValueError: ``x`` is not contiguous ([`broadcast_`][pdist.broadcast_] takes any layout).
     """
     g = as_group(group)
-    _check.checked(
-        g,
-        "broadcast",
-        x,
-        lambda: _check_tensor(x),
-        lambda: g.global_rank(src),
-        lambda: _contiguous(g, x),
-    )
+    checks = (lambda: _check_tensor(x), lambda: g.global_rank(src), lambda: _contiguous(g, x))
+    _check.checked(g, "broadcast", x, *checks)
     _check.agree_call(g, "broadcast", x, src=src)
     return _in_place(g, x, _launches.broadcast_into, _launches.traced_broadcast, src)
 

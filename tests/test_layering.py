@@ -179,3 +179,24 @@ def test_only_agree_raises_a_peers_failure():
         if target == "_errors" and {"failure", "decode_marker"} & set(names)
     }
     assert takers <= {"_agree"}, sorted(takers)
+
+
+def test_no_private_name_in_two_modules():
+    """A private function or class has one home: two ``_plan`` in two modules are two copies."""
+    homes: dict[str, list[str]] = {}
+    for path in FILES:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name[:1] == "_":
+                if not node.name.startswith("__"):
+                    homes.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert not {n: h for n, h in homes.items() if len(h) > 1}
+
+
+def test_no_module_over_600_lines():
+    """Small modules: one concern each."""
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in FILES
+        if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, long
