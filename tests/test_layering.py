@@ -186,7 +186,8 @@ def test_no_private_name_in_two_modules():
     homes: dict[str, list[str]] = {}
     for path in FILES:
         for node in ast.parse(path.read_text()).body:
-            private = node.name[:1] == "_" and not node.name.startswith("__")
+            name = getattr(node, "name", "")
+            private = name.startswith("_") and not name.startswith("__")
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and private:
                 homes.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
     assert not {n: h for n, h in homes.items() if len(h) > 1}
