@@ -41,8 +41,8 @@ __all__ = [
 
 
 def enabled(group: Group) -> bool:
-    """Whether ``group``'s block runs in check mode (a group without a block: no)."""
-    return bool(getattr(group.lifetime, "check", False))
+    """Whether ``group``'s block runs in check mode (kept in its typed ``Lifetime``)."""
+    return group.lifetime.check
 
 
 def describe(x: object, *, dim: int | None = None, rows: bool = False) -> str:
