@@ -232,7 +232,7 @@ def _parse_record(rank: int, raw: str) -> _Left:
     return _Left(rank, head[:1] != _ECHO, after, line)
 
 
-def _record_keys(conn: Store, prefix: str, ranks: Iterable[int]) -> list[_Left]:
+def _exit_records_of(conn: Store, prefix: str, ranks: Iterable[int]) -> list[_Left]:
     """The exit records of ``ranks`` that left one, in rank order (unbounded: bound it)."""
     wanted = sorted(set(ranks))
     if not wanted or conn.add(f"{prefix}/left/count", 0) == 0:
@@ -247,7 +247,7 @@ def _read_records(lifetime: Lifetime, ranks: Iterable[int]) -> list[_Left]:
     if lifetime.exit_records is None:
         return []
     store, prefix = lifetime.exit_records
-    return bounded(lambda: _record_keys(_calls(lifetime, store), prefix, ranks))
+    return bounded(lambda: _exit_records_of(_calls(lifetime, store), prefix, ranks))
 
 
 def _listen(group: Group) -> None:
@@ -407,9 +407,9 @@ def explained(group: Group, what: str, error: BaseException) -> BaseException | 
     def look() -> tuple[list[int], set[int], list[_Left]]:
         conn = _calls(group.lifetime, store)  # made before the failure (a new one can be slow)
         missing, listening = _roll_call(conn, group, prefix)
-        left = _record_keys(conn, prefix, others)
+        left = _exit_records_of(conn, prefix, others)
         cited = {r for x in left if not x.primary for r in x.after} - {*others, group.rank}
-        return missing, listening, left + _record_keys(conn, prefix, cited)  # not members
+        return missing, listening, left + _exit_records_of(conn, prefix, cited)  # not members
 
     # A store that takes seconds to answer under load is not gone: a wide bound, and a
     # second look within it after a look that failed (a refused connect fails both at once;

@@ -159,7 +159,7 @@ def all_to_all(
     how = "exchanged" if exchanged else "even" if send_counts is None else "given"
     fields: dict[str, object] = {"counts": how}
     if not exchanged:  # nothing carries the need for a gradient: the ranks must agree on it
-        fields["requires_grad"] = _count_records(x)
+        fields["requires_grad"] = _records_backward(x)
     # Even counts: every rank sends and expects N / P rows of each, so N must agree too.
     seen = _check.describe(x, rows=send_counts is not None)
     _check.agree_args(g, "all_to_all", seen, error, **fields)
@@ -238,7 +238,7 @@ def _needs(anchor: torch.Tensor | None) -> bool:
     return anchor is not None and anchor.requires_grad
 
 
-def _count_records(x: object) -> bool:
+def _records_backward(x: object) -> bool:
     """Whether this rank records the backward of a call whose ranks must agree on it."""
     return grad_flag(x) == 2
 
@@ -347,7 +347,7 @@ def all_gather_sizes(group: Group, x: torch.Tensor, dim: int, sizes: object) -> 
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    fields = {"sizes": counts, "requires_grad": _count_records(x)}
+    fields = {"sizes": counts, "requires_grad": _records_backward(x)}
     _check.agree_args(group, "all_gather", _check.describe(x, dim=dim), error, **fields)
     if error is not None:
         raise error
@@ -380,7 +380,7 @@ def reduce_scatter_sizes(
             raise ValueError(msg)
     except (TypeError, ValueError) as e:
         error = e
-    fields = {"op": op, "dim": dim, "sizes": counts, "requires_grad": _count_records(x)}
+    fields = {"op": op, "dim": dim, "sizes": counts, "requires_grad": _records_backward(x)}
     _check.agree_args(group, "reduce_scatter", _check.describe(x), error, **fields)
     if error is not None:
         raise error
